@@ -1,0 +1,1 @@
+"""H3Forge engine: MiniMax-H3 and SeedVR2 serving. Heavy imports live in submodules."""

@@ -1,0 +1,248 @@
+"""Packed-sequence layout for t2va and fl2va (specs/h3.md §1.4, §2.2, §5.3, §5.5).
+
+Rows are `[text | keyframe condition rows | target audio (channel-major) | target video]`. Positions are
+float64 (t, h, w) rotary coordinates; one rotary time unit is 1/40 s (24 fps x 5/3 = the audio latent rate).
+Also the canvas and frame-count rules, with the messages an artist sees when a request breaks them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.models.h3.config import AUDIO_TAG, VIDEO_TAG
+
+FPS = 24
+FRAME_RESCALE = 5.0 / 3.0
+FRAMES_PER_LATENT = (1, 4, 4, 4, 4)  # pixel frames each latent frame of a 17-frame VAE chunk covers
+SPATIAL_SCALE = 32.0
+AUDIO_LATENTS_PER_SECOND = 40
+AUDIO_CHANNELS = 2
+CLIP_LENGTH, LATENTS_PER_CHUNK = 17, 5
+VAE_SPATIAL = 16
+CANVAS_MULTIPLE = 32  # VAE 16 x patch 2
+SHORT_EDGE, MAX_PIXELS = 768, 768 * 1344
+MIN_ASPECT, MAX_ASPECT = 0.25, 4.0
+MIN_SECONDS, MAX_SECONDS = 5.0, 15.0
+CONDITION_TIMESTEP = 0.999  # visual condition rows: t = max(t_v, 0.999)
+
+
+class LayoutError(ValueError):
+    """A request outside the model's rules; the message is written for an artist."""
+
+
+def align_num_frames(num_frames: int) -> int:
+    """Snap up to the next 17n + 5 frame count the video VAE can encode."""
+    if num_frames < 1:
+        raise LayoutError(f"The frame count must be positive, got {num_frames}.")
+    return num_frames + (LATENTS_PER_CHUNK - num_frames) % CLIP_LENGTH
+
+
+def latent_frames(num_frames: int) -> int:
+    """Latent frames for a 17n + 5 frame count: 5n + 2."""
+    if num_frames % CLIP_LENGTH != LATENTS_PER_CHUNK:
+        raise LayoutError(f"The frame count must be 17n + 5 (22, 39, ..., 124, ..., 362), got {num_frames}.")
+    return (num_frames - LATENTS_PER_CHUNK) // CLIP_LENGTH * LATENTS_PER_CHUNK + 2
+
+
+def audio_latents(num_frames: int) -> int:
+    return int(round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND))
+
+
+def frames_for_seconds(seconds: float, min_seconds: float = MIN_SECONDS,
+                       max_seconds: float = MAX_SECONDS) -> tuple[int, str | None]:
+    """Frame count for a duration, snapped up to 17n + 5; returns (frames, note about the snap or None)."""
+    if not np.isfinite(seconds) or seconds <= 0:
+        raise LayoutError(f"Duration must be a positive number of seconds, got {seconds}.")
+    frames = align_num_frames(max(1, int(round(seconds * FPS))))
+    note = None
+    if abs(frames / FPS - seconds) > 1e-6:
+        note = f"{seconds:g} s snapped to {frames} frames ({frames / FPS:.3f} s): the video VAE needs 17n + 5 frames."
+    duration = frames / FPS
+    if not min_seconds - 1e-9 <= duration <= max_seconds + 1e-9:
+        lo, hi = align_num_frames(int(np.ceil(min_seconds * FPS))), max_seconds
+        raise LayoutError(
+            f"MiniMax-H3 generates {min_seconds:g} to {max_seconds:g} s per window; {seconds:g} s "
+            f"({frames} frames after snapping to 17n + 5) is outside that. Use at least {lo / FPS:.3f} s and at most "
+            f"{hi:g} s (use Extend Video for longer clips).")
+    return frames, note
+
+
+def canvas_for_aspect(aspect_w: float, aspect_h: float, short_edge: int = SHORT_EDGE,
+                      max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    """(height, width) for an aspect ratio: short edge, area cap, both sides rounded to multiples of 32."""
+    if aspect_w <= 0 or aspect_h <= 0:
+        raise LayoutError(f"The aspect ratio must be positive, got {aspect_w}:{aspect_h}.")
+    ratio = aspect_w / aspect_h
+    if not MIN_ASPECT <= ratio <= MAX_ASPECT:
+        raise LayoutError(f"MiniMax-H3 supports aspect ratios from 1:4 to 4:1, got {aspect_w:g}:{aspect_h:g}.")
+    width, height = (short_edge * ratio, float(short_edge)) if ratio >= 1 else (float(short_edge), short_edge / ratio)
+    if width * height > max_pixels:
+        scale = (max_pixels / (width * height)) ** 0.5
+        width, height = width * scale, height * scale
+    m = CANVAS_MULTIPLE
+    return max(m, round(height / m) * m), max(m, round(width / m) * m)
+
+
+def check_canvas(height: int, width: int, max_pixels: int = MAX_PIXELS) -> tuple[int, int, str | None]:
+    """Snap a requested canvas to multiples of 32 (nearest) and check aspect and area; returns (h, w, note)."""
+    if height <= 0 or width <= 0:
+        raise LayoutError(f"Width and height must be positive, got {width}x{height}.")
+    m = CANVAS_MULTIPLE
+    h, w = max(m, round(height / m) * m), max(m, round(width / m) * m)
+    if not MIN_ASPECT <= w / h <= MAX_ASPECT:
+        raise LayoutError(f"MiniMax-H3 supports aspect ratios from 1:4 to 4:1, got {width}x{height}.")
+    if h * w > max_pixels * 1.02:
+        raise LayoutError(
+            f"{width}x{height} is larger than the model's canvas budget of {max_pixels} pixels "
+            f"(e.g. 1344x768); generate at that size and upscale with SeedVR2.")
+    note = None if (h, w) == (height, width) else f"{width}x{height} snapped to {w}x{h} (multiples of 32)."
+    return h, w, note
+
+
+def spatial_grid(dim: int, patch: int, sqrt_area: float) -> torch.Tensor:
+    """One aspect-normalised axis: numpy's endpoint=False linspace, reproduced exactly, x 32."""
+    ratio = dim / sqrt_area
+    left = (1.0 - ratio) / 2.0
+    grid = np.linspace(left, left + ratio, dim // patch, endpoint=False) * SPATIAL_SCALE
+    return torch.from_numpy(grid).to(torch.float64)
+
+
+def frame_grid(latent_h: int, latent_w: int, patch: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, w) coordinates of one latent frame's rows [rows, 2] and the width axis."""
+    s = np.sqrt(latent_h * latent_w)
+    hs, ws = spatial_grid(latent_h, patch[0], s), spatial_grid(latent_w, patch[1], s)
+    gh, gw = torch.meshgrid(hs, ws, indexing="ij")
+    return torch.stack([gh.reshape(-1), gw.reshape(-1)], dim=-1), ws
+
+
+def frame_times(num_latent_frames: int, origin: float) -> torch.Tensor:
+    """Rotary time of each latent frame: origin + 5/3 * (pixel frame it starts at)."""
+    spans = torch.tensor([FRAME_RESCALE * FRAMES_PER_LATENT[i % 5] for i in range(num_latent_frames)],
+                         dtype=torch.float64)
+    return origin + torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
+
+
+def last_keyframe_time(num_latent_frames: int, origin: float) -> float:
+    # numpy pairwise summation, as the reference computes this anchor (differs in the last ulp past 16 frames).
+    spans = np.ones(num_latent_frames, dtype=np.float64) * FRAME_RESCALE
+    for offset in range(5):
+        spans[offset::5] *= FRAMES_PER_LATENT[offset]
+    return origin + float(spans.sum()) - FRAME_RESCALE
+
+
+@dataclass
+class PackedLayout:
+    position_ids: torch.Tensor  # [S, 3] float64
+    token_tags: torch.Tensor  # [S] long
+    video_indices: torch.Tensor  # condition rows first, then target rows
+    audio_indices: torch.Tensor
+    text_indices: torch.Tensor
+    num_condition_video_rows: int
+    num_condition_audio_rows: int
+    num_latent_frames: int
+    latent_height: int
+    latent_width: int
+    num_audio_latents: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.position_ids.shape[0]
+
+    @property
+    def num_text(self) -> int:
+        return self.text_indices.numel()
+
+    def to(self, device) -> "PackedLayout":
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return PackedLayout(**moved)
+
+
+def build_layout(text_tags: torch.Tensor, num_latent_frames: int, latent_height: int, latent_width: int,
+                 num_audio_latents: int, patch: tuple[int, int] = (2, 2),
+                 keyframes: tuple[str, ...] = ()) -> PackedLayout:
+    """The t2va / fl2va layout; `keyframes` lists the condition blocks in order, each "first" or "last"."""
+    rows_per_frame = (latent_height // patch[0]) * (latent_width // patch[1])
+    L = text_tags.shape[0]
+    n_cond = len(keyframes) * rows_per_frame
+    n_audio = AUDIO_CHANNELS * num_audio_latents
+    n_video = num_latent_frames * rows_per_frame
+    cond_start, audio_start = L, L + n_cond
+    video_start = audio_start + n_audio
+    S = video_start + n_video
+
+    pos = torch.zeros(S, 3, dtype=torch.float64)
+    pos[:L, 0] = torch.arange(L, dtype=torch.float64)
+    grid, wgrid = frame_grid(latent_height, latent_width, patch)
+    for i, anchor in enumerate(keyframes):
+        if anchor == "first":
+            t = float(L)
+        elif anchor == "last":
+            t = last_keyframe_time(num_latent_frames, float(L))
+        else:
+            raise ValueError(f"keyframe anchor must be 'first' or 'last', got {anchor!r}")
+        rows = slice(cond_start + i * rows_per_frame, cond_start + (i + 1) * rows_per_frame)
+        pos[rows, 0] = t
+        pos[rows, 1:] = grid
+
+    audio_t = float(L) + torch.arange(num_audio_latents, dtype=torch.float64)
+    pos[audio_start:video_start, 0] = audio_t.repeat(AUDIO_CHANNELS)
+    pos[audio_start:audio_start + num_audio_latents, 2] = float(wgrid[0])
+    pos[audio_start + num_audio_latents:video_start, 2] = float(wgrid[-1])
+
+    video_pos = torch.empty(num_latent_frames, rows_per_frame, 3, dtype=torch.float64)
+    video_pos[:, :, 0] = frame_times(num_latent_frames, float(L))[:, None]
+    video_pos[:, :, 1:] = grid[None]
+    pos[video_start:] = video_pos.reshape(-1, 3)
+
+    video_indices = torch.cat([torch.arange(cond_start, audio_start), torch.arange(video_start, S)])
+    audio_indices = torch.arange(audio_start, video_start)
+    text_indices = torch.arange(L)
+    tags = torch.empty(S, dtype=torch.long)
+    tags[text_indices] = text_tags.long()
+    tags[audio_indices] = AUDIO_TAG
+    tags[video_indices] = VIDEO_TAG
+    return PackedLayout(pos, tags, video_indices, audio_indices, text_indices, n_cond, 0,
+                        num_latent_frames, latent_height, latent_width, num_audio_latents)
+
+
+def row_timesteps(layout: PackedLayout, t_video: float, t_audio: float,
+                  t_cond_video: float | None = None, t_cond_audio: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row timesteps reduced to (distinct sorted timesteps [M], index of each row [S])."""
+    if t_cond_video is None:
+        t_cond_video = max(t_video, CONDITION_TIMESTEP)
+    t = torch.full((layout.seq_len,), t_video, dtype=torch.float32)
+    nv, na = layout.num_condition_video_rows, layout.num_condition_audio_rows
+    t[layout.video_indices[:nv]] = t_cond_video
+    t[layout.audio_indices[na:]] = t_audio
+    t[layout.audio_indices[:na]] = t_cond_audio
+    return torch.unique(t, sorted=True, return_inverse=True)
+
+
+def patchify(latents: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+    """[B, C, T, H, W] -> rows [B, T*(H/2)*(W/2), C*pt*ph*pw], frame-major, features (c, pt, ph, pw)."""
+    pt, ph, pw = patch
+    B, C, T, H, W = latents.shape
+    x = latents.reshape(B, C, T // pt, pt, H // ph, ph, W // pw, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+    return x.reshape(B, -1, C * pt * ph * pw)
+
+
+def unpatchify(rows: torch.Tensor, T: int, H: int, W: int, patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+    pt, ph, pw = patch
+    B = rows.shape[0]
+    C = rows.shape[-1] // (pt * ph * pw)
+    x = rows.reshape(B, T // pt, H // ph, W // pw, C, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
+    return x.reshape(B, C, T, H, W)
+
+
+def pack_audio(latents: torch.Tensor) -> torch.Tensor:
+    """[B, 2, C, Ta] stereo latents -> channel-major rows [B, 2*Ta, C]."""
+    B, ch, C, Ta = latents.shape
+    return latents.permute(0, 1, 3, 2).reshape(B, ch * Ta, C)
+
+
+def unpack_audio(rows: torch.Tensor, channels: int = AUDIO_CHANNELS) -> torch.Tensor:
+    B, n, C = rows.shape
+    return rows.reshape(B, channels, n // channels, C).permute(0, 1, 3, 2)
