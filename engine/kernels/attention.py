@@ -34,6 +34,38 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+def _cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+@register("cudnn", available=_cuda)
+def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # SDPA's default pick on Hopper is the FA2-based flash kernel (~355 TFLOP/s); cuDNN reaches ~620.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        return sdpa(q, k, v)
+
+
+def _fa3_available(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    try:
+        import fa3_fwd_interface  # noqa: F401  (the `fa3-fwd` wheel: FlashAttention-3 forward, Hopper only)
+    except ImportError:
+        return False
+    return True
+
+
+@register("fa3", available=_fa3_available)
+def fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from fa3_fwd_interface import flash_attn_func
+
+    if q.dtype != torch.bfloat16:
+        return cudnn(q, k, v)  # the wheel is built for bf16 (and fp8) only
+    return flash_attn_func(q, k, v)
+
+
 def backends(device: torch.device | str = "cpu") -> list[str]:
     """Names of the backends usable on `device`, fastest first."""
     device = torch.device(device)
@@ -42,10 +74,16 @@ def backends(device: torch.device | str = "cpu") -> list[str]:
     return [n for n in names if _AVAILABLE[n](device)]
 
 
+_auto: dict[torch.device, str] = {}
+
+
 def choose(device: torch.device | str) -> str:
     if _override is not None:
         return _override
-    return backends(device)[0]
+    device = torch.device(device)
+    if device not in _auto:
+        _auto[device] = backends(device)[0]
+    return _auto[device]
 
 
 @contextlib.contextmanager

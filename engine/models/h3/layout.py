@@ -56,17 +56,15 @@ def frames_for_seconds(seconds: float, min_seconds: float = MIN_SECONDS,
     """Frame count for a duration, snapped up to 17n + 5; returns (frames, note about the snap or None)."""
     if not np.isfinite(seconds) or seconds <= 0:
         raise LayoutError(f"Duration must be a positive number of seconds, got {seconds}.")
+    if not min_seconds - 1e-9 <= seconds <= max_seconds + 1e-9:
+        raise LayoutError(
+            f"MiniMax-H3 generates {min_seconds:g} to {max_seconds:g} s per window, got {seconds:g} s "
+            f"(use Extend Video for longer clips).")
+    # Snapping up may pass max_seconds by < 1/24 s: 15 s is 362 frames (15.083 s), as in the reference runtimes.
     frames = align_num_frames(max(1, int(round(seconds * FPS))))
     note = None
     if abs(frames / FPS - seconds) > 1e-6:
         note = f"{seconds:g} s snapped to {frames} frames ({frames / FPS:.3f} s): the video VAE needs 17n + 5 frames."
-    duration = frames / FPS
-    if not min_seconds - 1e-9 <= duration <= max_seconds + 1e-9:
-        lo, hi = align_num_frames(int(np.ceil(min_seconds * FPS))), max_seconds
-        raise LayoutError(
-            f"MiniMax-H3 generates {min_seconds:g} to {max_seconds:g} s per window; {seconds:g} s "
-            f"({frames} frames after snapping to 17n + 5) is outside that. Use at least {lo / FPS:.3f} s and at most "
-            f"{hi:g} s (use Extend Video for longer clips).")
     return frames, note
 
 
