@@ -1,0 +1,22 @@
+# Two entry points: `make demo` (engine on the embedded tiny preset -> demo.mp4) and `make test` (CPU suite).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+
+.PHONY: demo test install
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[engine,test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m engine demo --out demo.mp4
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q

@@ -1,0 +1,227 @@
+"""MiniMax-H3 text/keyframes -> video + audio (t2va, fl2va), end to end.
+
+request -> canvas/frames rules -> conditioner -> keyframe latents -> packed layout -> Euler over the DiT
+-> video VAE decode (uint8 on device) + audio VAE decode. Presets build every component offline from a seed
+(`tiny`); `from_models` loads real checkpoints from a models directory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from engine.models.h3 import layout as L
+from engine.models.h3.checkpoint import load_dit
+from engine.models.h3.conditioner import Conditioner, build_tiny_conditioner
+from engine.models.h3.config import TINY, H3Config
+from engine.models.h3.dit import H3DiT, build_dit
+from engine.models.h3.lora import load_lora, merge_lora, unmerge_lora
+from engine.models.h3.request import Cancelled, GenerateRequest, GenerateResult, StepEvent
+from engine.models.h3.schedule import AUDIO_SHIFT, VIDEO_SHIFT, euler_step, sigmas
+from engine.models.h3.vae import AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae
+
+KEYFRAME_NOISE_AUG = L.CONDITION_TIMESTEP
+
+
+@dataclass(frozen=True)
+class Canvas:
+    """The canvas rules and defaults a set of weights was trained for."""
+
+    short_edge: int = L.SHORT_EDGE
+    max_pixels: int = L.MAX_PIXELS
+    default_steps: int = 50
+
+
+FULL_CANVAS = Canvas()
+TINY_CANVAS = Canvas(short_edge=128, max_pixels=128 * 224, default_steps=8)
+
+
+def parse_aspect(aspect: str) -> tuple[float, float]:
+    try:
+        w, h = (float(x) for x in aspect.replace("x", ":").split(":"))
+    except ValueError:
+        raise L.LayoutError(f"Aspect ratio must look like 16:9, got {aspect!r}.") from None
+    return w, h
+
+
+def fit_stretch(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    return np.asarray(Image.fromarray(image).resize((width, height), Image.LANCZOS))
+
+
+def fit_cover(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Scale to cover the canvas, then centre-crop (the reference's treatment of a last frame)."""
+    ih, iw = image.shape[:2]
+    scale = max(width / iw, height / ih)
+    nw, nh = max(width, round(iw * scale)), max(height, round(ih * scale))
+    resized = Image.fromarray(image).resize((nw, nh), Image.LANCZOS)
+    left, top = (nw - width) // 2, (nh - height) // 2
+    return np.asarray(resized.crop((left, top, left + width, top + height)))
+
+
+def check_image(name: str, image: np.ndarray) -> np.ndarray:
+    image = np.asarray(image)
+    if image.ndim == 2:
+        image = np.repeat(image[..., None], 3, axis=-1)
+    if image.ndim != 3 or image.shape[-1] not in (3, 4) or image.dtype != np.uint8:
+        raise L.LayoutError(f"The {name} must be an RGB image (uint8 H x W x 3), got {image.dtype} {image.shape}.")
+    if min(image.shape[:2]) < 16:
+        raise L.LayoutError(f"The {name} is too small ({image.shape[1]}x{image.shape[0]}); use at least 16x16.")
+    return np.ascontiguousarray(image[..., :3])
+
+
+class H3Pipeline:
+    def __init__(self, dit: H3DiT, video_vae: VideoVAE, audio_vae: AudioVAE, conditioner: Conditioner,
+                 canvas: Canvas, device: torch.device, name: str, lora_root: Path | None = None):
+        self.dit, self.video_vae, self.audio_vae, self.conditioner = dit, video_vae, audio_vae, conditioner
+        self.canvas, self.device, self.name, self.lora_root = canvas, device, name, lora_root
+
+    @classmethod
+    def from_preset(cls, preset: str = "tiny", device: str | torch.device = "cpu", seed: int = 0,
+                    config: H3Config | None = None, lora_root: str | Path | None = None) -> "H3Pipeline":
+        """Every component at tiny width with weights drawn from `seed`; no files needed."""
+        if preset != "tiny":
+            raise ValueError(f"unknown preset {preset!r}: only 'tiny' is embedded; real weights come from --models")
+        device = torch.device(device)
+        config = config or TINY
+        dit = build_dit(config, seed=seed, device=device)
+        return cls(dit, build_tiny_video_vae(seed).to(device), build_tiny_audio_vae(seed).to(device),
+                   build_tiny_conditioner(seed, hidden_size=config.text_dim).to(device), TINY_CANVAS, device,
+                   "tiny", Path(lora_root) if lora_root else None)
+
+    @classmethod
+    def from_models(cls, models_dir: str | Path, device: str | torch.device = "cuda",
+                    dtype: torch.dtype = torch.bfloat16) -> "H3Pipeline":
+        """Real weights: diffusers layout (transformer/, vae/, audio_vae/, text_encoder/) or the original
+        MiniMax folder layout (transformer/, video_vae/, audio_vae/, text_encoder/)."""
+        root, device = Path(models_dir), torch.device(device)
+        root = root / "FL2VA" if (root / "FL2VA").is_dir() else root
+        dit = load_dit(root / "transformer", dtype=dtype, device=device)
+        video_dir = root / "vae" if (root / "vae").is_dir() else root / "video_vae"
+        return cls(dit, VideoVAE.from_pretrained(video_dir).to(device),
+                   AudioVAE.from_pretrained(root / "audio_vae").to(device),
+                   Conditioner.from_pretrained(root, dtype=dtype, device=device), FULL_CANVAS, device,
+                   str(root), Path(models_dir))
+
+    def describe(self) -> dict:
+        c = self.dit.config
+        return {"model": "MiniMax-H3", "weights": self.name, "device": str(self.device),
+                "dit": {"layers": c.num_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
+                        "dtype": str(self.dit.dtype).removeprefix("torch.")},
+                "canvas": {"short_edge": self.canvas.short_edge, "max_pixels": self.canvas.max_pixels},
+                "default_steps": self.canvas.default_steps}
+
+    # ---- request rules -------------------------------------------------------------------------------------
+    def plan(self, req: GenerateRequest) -> tuple[int, int, int, int, list[str]]:
+        """(frames, height, width, steps, notes) for a request, or a LayoutError an artist can act on."""
+        if not isinstance(req.prompt, str) or not req.prompt.strip():
+            raise L.LayoutError("The prompt is empty: describe the video and its sound.")
+        frames, note = L.frames_for_seconds(float(req.seconds))
+        notes = [note] if note else []
+        if (req.width is None) != (req.height is None):
+            raise L.LayoutError("Give both width and height, or neither (then the aspect ratio picks the canvas).")
+        if req.width is not None:
+            height, width, note = L.check_canvas(int(req.height), int(req.width), max_pixels=L.MAX_PIXELS)
+            notes += [note] if note else []
+        else:
+            if req.first_frame is not None and req.aspect is None:
+                ih, iw = np.asarray(req.first_frame).shape[:2]
+                aspect = (float(iw), float(ih))
+            else:
+                aspect = parse_aspect(req.aspect or "16:9")
+            height, width = L.canvas_for_aspect(*aspect, self.canvas.short_edge, self.canvas.max_pixels)
+        steps = self.canvas.default_steps if req.steps is None else int(req.steps)
+        if not 2 <= steps <= 1000:
+            raise L.LayoutError(f"Steps must be between 2 and 1000 sigma grid points (N points = N-1 model "
+                                f"evaluations; 5 for a 4-step Turbo LoRA), got {steps}.")
+        return frames, height, width, steps, notes
+
+    # ---- generation ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, req: GenerateRequest, on_step: Callable[[StepEvent], None] | None = None) -> GenerateResult:
+        frames, height, width, steps, notes = self.plan(req)
+        keyframes, images = [], []
+        if req.first_frame is not None:
+            keyframes.append("first")
+            images.append(fit_stretch(check_image("first frame", req.first_frame), height, width))
+        if req.last_frame is not None:
+            keyframes.append("last")
+            images.append(fit_cover(check_image("last frame", req.last_frame), height, width))
+
+        handles = [merge_lora(self.dit, load_lora(self.resolve_lora(path), self.dit), scale) for path, scale in req.loras]
+        try:
+            return self._generate(req, frames, height, width, steps, notes, keyframes, images, on_step)
+        finally:
+            for handle in reversed(handles):
+                unmerge_lora(self.dit, handle)
+
+    def resolve_lora(self, path: str) -> Path:
+        """LoRA files are confined to the LoRA root (the models directory) when one is configured."""
+        if self.lora_root is None:
+            p = Path(path)
+        else:
+            root = self.lora_root.resolve()
+            p = (root / path).resolve()
+            if root not in p.parents:
+                raise L.LayoutError(f"LoRA path {path!r} is outside the models directory.")
+        if not p.is_file():
+            raise L.LayoutError(f"LoRA file {path!r} not found.")
+        return p
+
+    def _generate(self, req, frames, height, width, steps, notes, keyframes, images, on_step) -> GenerateResult:
+        timings, t0 = {}, time.perf_counter()
+        dev, cfg = self.device, self.dit.config
+        text, text_tags = self.conditioner.encode(req.prompt, images)
+        timings["conditioner_s"] = time.perf_counter() - t0
+
+        T, h, w = L.latent_frames(frames), height // L.VAE_SPATIAL, width // L.VAE_SPATIAL
+        Ta = L.audio_latents(frames)
+        layout = L.build_layout(text_tags.cpu(), T, h, w, Ta, cfg.patch_size[1:], tuple(keyframes)).to(dev)
+
+        gen = torch.Generator("cpu").manual_seed(int(req.seed))
+        cond_rows = []
+        for image in images:
+            clean = self.video_vae.encode_image(torch.from_numpy(image.copy()).to(dev))
+            noise = torch.randn(clean.shape, generator=gen, dtype=torch.float32).to(dev)
+            cond_rows.append(L.patchify(KEYFRAME_NOISE_AUG * clean.float() + (1 - KEYFRAME_NOISE_AUG) * noise))
+        video = L.patchify(torch.randn(1, cfg.in_channels, T, h, w, generator=gen, dtype=torch.float32)).to(dev)
+        audio = torch.randn(1, L.AUDIO_CHANNELS * Ta, cfg.audio_in_channels, generator=gen).to(dev)
+        cond = torch.cat(cond_rows, dim=1) if cond_rows else video[:, :0]
+        timings["encode_s"] = time.perf_counter() - t0 - timings["conditioner_s"]
+
+        sig_v, sig_a = sigmas(steps, VIDEO_SHIFT), sigmas(steps, AUDIO_SHIFT)
+        total = min(len(sig_v), len(sig_a)) - 1
+        text = text.to(dev)
+        t_loop = time.perf_counter()
+        for i in range(total):
+            t_v, t_a = float(1 - sig_v[i]), float(1 - sig_a[i])
+            timestep, idx = L.row_timesteps(layout, t_v, t_a)
+            v_out, a_out = self.dit(torch.cat([cond, video], dim=1), audio, text, timestep.to(dev), idx.to(dev),
+                                    layout.token_tags, layout.position_ids, layout.video_indices,
+                                    layout.audio_indices, layout.text_indices)
+            v_out = v_out[:, cond.shape[1]:]
+            if on_step is not None:
+                x0 = video.float() + (1 - torch.tensor(t_v)) * v_out.float()
+                on_step(StepEvent(i + 1, total, L.unpatchify(x0, T, h, w, cfg.patch_size)))
+            video = euler_step(video, v_out, t_v, float(sig_v[i]), float(sig_v[i + 1]))
+            audio = euler_step(audio, a_out, t_a, float(sig_a[i]), float(sig_a[i + 1]))
+        timings["denoise_s"] = time.perf_counter() - t_loop
+
+        t_dec = time.perf_counter()
+        video_latents = L.unpatchify(video, T, h, w, cfg.patch_size)
+        audio_latents = L.unpack_audio(audio)[0]
+        pixels = self.video_vae.decode(video_latents)[:frames]
+        waveform = self.audio_vae.decode(audio_latents)
+        waveform = waveform[:, : round(frames / L.FPS * self.audio_vae.sample_rate)]
+        timings["decode_s"] = time.perf_counter() - t_dec
+        timings["total_s"] = time.perf_counter() - t0
+        return GenerateResult(pixels.cpu(), waveform.float().cpu(), self.audio_vae.sample_rate, L.FPS,
+                              video_latents.cpu(), audio_latents.cpu(), notes, timings)
+
+
+__all__ = ["H3Pipeline", "GenerateRequest", "GenerateResult", "StepEvent", "Cancelled"]

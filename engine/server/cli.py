@@ -1,0 +1,146 @@
+"""`python -m engine serve`: the engine service. `add_serve_args` registers the subcommand, `run_serve` runs it.
+
+    python -m engine serve [--preset tiny | --models DIR] [--host 127.0.0.1] [--port 8190] [--gpus N]
+                           [--device auto|cuda|cpu] [--token-file F] ...
+
+With --gpus N (> 1) this process becomes torchrun's agent and starts N ranks running this same command line;
+rank 0 serves, the others follow (engine.runtime). The token file (default $H3FORGE_TOKEN_FILE or
+~/.h3forge/token) is created with a random token and mode 0600 on first start; clients on the same host read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from engine import protocol
+from engine.runtime.launch import RANK_WORKER_FLAG, launch_ranks
+
+
+def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve", help="run the engine service (WebSocket API, job queue, dashboard)",
+        description="Run the H3Forge engine: the WebSocket API the ComfyUI nodes talk to, a job queue, and a "
+                    "dashboard at http://HOST:PORT/?token=...")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="embedded weights drawn from a seed, no files needed: tiny "
+                                      "(the default when no models directory is given)")
+    src.add_argument("--models", metavar="DIR", default=os.environ.get("H3FORGE_MODELS"),
+                     help="models directory with real checkpoints (default: $H3FORGE_MODELS)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=protocol.DEFAULT_PORT)
+    p.add_argument("--gpus", type=int, default=1, help="ranks per node, one GPU each (CPU ranks with --device cpu)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the engine (run the same command on each)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torchrun rendezvous endpoint, for --nnodes > 1")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: CUDA when a GPU is visible (NCCL between ranks), else CPU (gloo)")
+    p.add_argument("--token-file", type=Path, help="file holding the access token, created on first start "
+                                                   "(default: $H3FORGE_TOKEN_FILE or ~/.h3forge/token)")
+    p.add_argument("--max-queue", type=int, default=32, help="jobs waiting at most (default 32)")
+    p.add_argument("--max-tensor-mb", type=float, default=256, help="largest input tensor a client may send")
+    p.add_argument("--result-ttl-min", type=float, default=60, help="how long finished results are kept")
+    p.add_argument("--result-cache-gb", type=float, default=4, help="memory for kept results; oldest go first")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.add_argument(RANK_WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if args.gpus < 1 or args.nnodes < 1:
+        raise SystemExit("--gpus and --nnodes must be at least 1.")
+    if (args.gpus > 1 or args.nnodes > 1) and not args.rank_worker:
+        return launch_ranks(serve_argv(), args.gpus, args.nnodes, args.rdzv_endpoint)
+
+    from engine.runtime.jobs import JobRunner, ModelSource, follower_loop, load_pipeline
+    from engine.runtime.log import log_event, setup_logging
+    from engine.runtime.ranks import close_ranks, init_ranks
+
+    ctx = init_ranks(args.device)
+    setup_logging(ctx.rank, args.log_level)
+    if args.preset or args.models:
+        source = ModelSource(preset=args.preset, models_dir=args.models)
+    else:
+        source = ModelSource(preset="tiny")
+        log_event("engine.default_preset", note="no --models or $H3FORGE_MODELS: serving the tiny preset "
+                                                "(random weights, for demos and tests)")
+    try:
+        if ctx.rank == 0:
+            return asyncio.run(serve(args, ctx, source))
+        follower_loop(JobRunner(ctx, load_pipeline(source, ctx)))
+        return 0
+    finally:
+        close_ranks(ctx)
+
+
+def serve_argv() -> list[str]:
+    """This process's `serve ...` arguments, for the ranks to run the same command."""
+    argv = sys.argv[1:]
+    if "serve" not in argv:
+        raise SystemExit("--gpus > 1 relaunches this command through torchrun: start it as `python -m engine serve`.")
+    return argv
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve(args: argparse.Namespace, ctx, source) -> int:
+    from aiohttp import web
+
+    from engine.runtime.jobs import JobRunner, load_pipeline
+    from engine.runtime.log import log_event
+    from engine.server.app import EngineService, make_app
+    from engine.server.auth import load_or_create_token
+    from engine.server.scheduler import Scheduler
+    from engine.server.store import ResultStore
+
+    token_file = (args.token_file or protocol.default_token_file()).expanduser()
+    store = ResultStore(ttl_s=args.result_ttl_min * 60, max_bytes=int(args.result_cache_gb * 2**30))
+    scheduler = Scheduler(lambda: JobRunner(ctx, load_pipeline(source, ctx)), store, max_queue=args.max_queue)
+    service = EngineService(ctx, source, load_or_create_token(token_file),
+                            protocol.Limits(max_tensor_bytes=int(args.max_tensor_mb * 2**20)), scheduler, store)
+    runner = web.AppRunner(make_app(service), access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise SystemExit(f"H3Forge engine: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}). "
+                         f"Is another engine running there? Pick another --port.") from None
+    if not is_loopback(args.host):
+        log_event("engine.exposed", logging.WARNING, host=args.host, warning=(
+            f"listening on {args.host}, not only this machine: anyone who can reach port {args.port} and has the "
+            f"token can run jobs. Keep the token file secret; use a firewall or a TLS proxy on untrusted networks."))
+    shown = "localhost" if args.host in ("0.0.0.0", "::") else args.host
+    log_event("engine.listening", url=f"ws://{shown}:{args.port}/v1/ws", token_file=str(token_file),
+              source=source.describe(), device=str(ctx.device), ranks=ctx.world_size)
+    print(f"H3Forge engine dashboard: http://{shown}:{args.port}/?token={service.token}", file=sys.stderr, flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    work = asyncio.create_task(scheduler.run())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done() and work.exception() is not None:
+            raise SystemExit(f"H3Forge engine: could not load the models ({work.exception()}).")
+        log_event("engine.stopping")
+        return 0
+    finally:
+        await scheduler.close()
+        work.cancel()
+        stopping.cancel()
+        await runner.cleanup()

@@ -1,0 +1,109 @@
+"""Finished jobs, kept for a while so a client can `attach` after a reconnect, the dashboard can play them,
+and later tasks (extend, upscale) can start from a job's latents without a decode/encode round trip.
+
+Entries expire after a time-to-live; past the byte cap the oldest go first (the newest always stays).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.runtime.log import log_event
+
+
+@dataclass
+class FinishedJob:
+    job: str
+    task: str
+    params: dict
+    state: str  # "done" | "failed" | "cancelled"
+    submitted_at: float
+    started_at: float | None
+    finished_at: float
+    error_code: str | None = None
+    error_message: str | None = None
+    frames: np.ndarray | None = None  # uint8 [F, H, W, 3]
+    audio: np.ndarray | None = None  # float32 [C, S]
+    sample_rate: int = 0
+    fps: int = 0
+    video_latents: torch.Tensor | None = None  # normalised [1, 24, T, h, w], CPU
+    audio_latents: torch.Tensor | None = None  # normalised [2, 32, Ta], CPU
+    notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    _mp4: "asyncio.Task[bytes] | None" = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.frames, self.audio, self.video_latents, self.audio_latents]
+        mp4 = self._mp4.result() if self._mp4 is not None and self._mp4.done() and not self._mp4.exception() else b""
+        return sum(a.nbytes for a in arrays if a is not None) + len(mp4)
+
+    def meta(self) -> dict:
+        return {"task": self.task, "params": self.params, "fps": self.fps, "sample_rate": self.sample_rate,
+                "frames": self.frames.shape[0] if self.frames is not None else 0,
+                "width": self.frames.shape[2] if self.frames is not None else 0,
+                "height": self.frames.shape[1] if self.frames is not None else 0,
+                "notes": self.notes, "timings": self.timings,
+                "queued_s": round((self.started_at or self.finished_at) - self.submitted_at, 3)}
+
+    def summary(self) -> dict:
+        """A row of the dashboard's recent results."""
+        row = {"job": self.job, "task": self.task, "state": self.state, "finished_at": self.finished_at,
+               "prompt": str(self.params.get("prompt", ""))[:200],
+               "duration_s": round(self.finished_at - (self.started_at or self.finished_at), 3)}
+        if self.state == "done":
+            row.update(frames=int(self.frames.shape[0]), width=int(self.frames.shape[2]),
+                       height=int(self.frames.shape[1]), fps=self.fps, notes=self.notes)
+        else:
+            row.update(code=self.error_code, message=self.error_message)
+        return row
+
+    async def mp4(self) -> bytes:
+        """H.264 + AAC MP4 of the result, encoded on first use (off the event loop) and kept."""
+        if self._mp4 is None:
+            from engine.io.video import encode_mp4_bytes
+
+            self._mp4 = asyncio.ensure_future(asyncio.to_thread(
+                encode_mp4_bytes, self.frames, self.fps, self.audio, self.sample_rate))
+        return await asyncio.shield(self._mp4)
+
+
+class ResultStore:
+    def __init__(self, ttl_s: float = 3600.0, max_bytes: int = 4 * 2**30):
+        self.ttl_s, self.max_bytes = ttl_s, max_bytes
+        self._jobs: OrderedDict[str, FinishedJob] = OrderedDict()
+
+    def add(self, finished: FinishedJob) -> None:
+        self._jobs[finished.job] = finished
+        self.evict()
+
+    def get(self, job: str) -> FinishedJob | None:
+        self.evict()
+        return self._jobs.get(job)
+
+    def recent(self, n: int = 20) -> list[FinishedJob]:
+        self.evict()
+        return list(reversed(self._jobs.values()))[:n]
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self._jobs.values())
+
+    def evict(self) -> None:
+        now = time.time()
+        while self._jobs:
+            oldest = next(iter(self._jobs.values()))
+            expired = now - oldest.finished_at > self.ttl_s
+            if not expired and (len(self._jobs) == 1 or self.nbytes <= self.max_bytes):
+                return
+            self._jobs.popitem(last=False)
+            log_event("result.evicted", job=oldest.job, reason="expired" if expired else "size cap")

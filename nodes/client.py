@@ -1,0 +1,332 @@
+"""Async client of the H3Forge engine (aiohttp). Imports engine.protocol only: no torch, no model code.
+
+    client = EngineClient("ws://127.0.0.1:8190", token=...)
+    result = await client.run("t2va", {"prompt": "...", "seconds": 5}, on_progress=print, cancel=event)
+
+`run` submits a job, streams its progress, sends `cancel` when the event is set, re-attaches to the job if the
+connection drops mid-job, and returns a JobResult. Every failure is an EngineError whose message an artist can
+act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import uuid
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+import numpy as np
+
+try:
+    from ..engine import protocol  # inside ComfyUI the pack is loaded as one package
+except ImportError:
+    from engine import protocol  # the repository root on sys.path (tests, scripts)
+
+RECONNECT_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # one reconnect attempt after each
+CANCEL_GRACE_S = 30.0  # how long to wait for the engine to confirm a cancel (it stops at the next step)
+
+
+class EngineError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass
+class ProgressEvent:
+    job: str
+    stage: str  # "queued", "starting", "denoising", "decoding"
+    step: int
+    total: int
+    eta_s: float | None
+    preview_jpeg: bytes | None = None
+    position: int | None = None  # jobs ahead, while queued
+
+
+@dataclass
+class JobResult:
+    job: str
+    meta: dict  # task, params, notes, timings, fps, sample_rate, frames, width, height
+    frames: np.ndarray  # uint8 [F, H, W, 3] (read-only view of the received buffer)
+    audio: np.ndarray  # float32 [C, S]
+    sample_rate: int
+    fps: int
+    mp4: bytes | None = None
+
+
+@dataclass
+class _JobWatch:
+    """One job being followed: what to call, and whether a cancel was asked for."""
+
+    on_progress: Callable[[ProgressEvent], Awaitable[None] | None] | None
+    cancel: asyncio.Event | None
+    deadline: float | None
+    timeout: float | None
+    mp4: bool
+    job: str | None = None
+    ws: aiohttp.ClientWebSocketResponse | None = None
+    cancel_deadline: float | None = None  # set once the cancel went out
+    ended: bool = False  # the engine sent the job's result or error
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+class _Dropped(Exception):
+    """The WebSocket closed under us."""
+
+
+class EngineClient:
+    def __init__(self, url: str = protocol.DEFAULT_URL, token: str | None = None, connect_timeout: float = 5.0,
+                 token_file: str | None = None):
+        parts = urlsplit(url if "://" in url else f"ws://{url}")
+        if parts.scheme not in ("ws", "wss", "http", "https") or not parts.netloc:
+            raise EngineError("bad_url", f"Engine URL {url!r} should look like ws://127.0.0.1:8190.")
+        secure = parts.scheme in ("wss", "https")
+        self.url = urlunsplit(("wss" if secure else "ws", parts.netloc, "", "", ""))
+        self.http_url = urlunsplit(("https" if secure else "http", parts.netloc, "", "", ""))
+        token_path = token_file or protocol.default_token_file()
+        self.token = token or protocol.read_token(token_path)
+        if token:
+            self.token_source = "the given token"
+        elif self.token:
+            self.token_source = f"the token from {token_path}"
+        else:
+            self.token_source = f"a connection without a token (none given, and no token file at {token_path})"
+        self.connect_timeout = connect_timeout
+
+    # ---- HTTP ------------------------------------------------------------------------------------------------
+    async def health(self) -> dict:
+        return await self._get("/v1/health")
+
+    async def status(self) -> dict:
+        return await self._get("/v1/status")
+
+    async def _get(self, path: str) -> dict:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.connect_timeout)) as session:
+                async with session.get(self.http_url + path, headers=headers) as response:
+                    if response.status == 401:
+                        raise self._auth_error()
+                    if response.status != 200:
+                        raise EngineError("bad_response", f"The engine at {self.url} answered HTTP {response.status} "
+                                                          f"on {path}: is this an H3Forge engine?")
+                    return await response.json()
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError):
+            raise self._unreachable() from None
+
+    def _unreachable(self) -> EngineError:
+        return EngineError("unreachable", f"No H3Forge engine answers at {self.url}: start one with "
+                                          f"`python -m engine serve` or enable auto-launch.")
+
+    def _auth_error(self) -> EngineError:
+        return EngineError("auth", f"The engine at {self.url} refused {self.token_source}. Use the token "
+                                   f"from the engine host's token file (~/.h3forge/token unless it was started "
+                                   f"with --token-file).")
+
+    # ---- jobs ------------------------------------------------------------------------------------------------
+    async def run(self, task: str, params: dict, tensors: dict[str, np.ndarray] | None = None,
+                  on_progress=None, cancel: asyncio.Event | None = None, timeout: float | None = None,
+                  mp4: bool = False) -> JobResult:
+        """Runs one job to its end. `on_progress(ProgressEvent)` may be a function or a coroutine function."""
+        tensors = {name: np.asarray(a) for name, a in (tensors or {}).items()}
+        try:
+            protocol.validate_task(task, params, tensors)  # same rules as the engine, without a round trip
+        except protocol.ProtocolError as exc:
+            raise EngineError(exc.code, exc.message) from None
+        watch = self._watch(on_progress, cancel, timeout, mp4)
+        submit_id = uuid.uuid4().hex
+        async with self._session() as session:
+            watch.ws = await self._open(session)
+            try:
+                await watch.ws.send_str(protocol.encode_control({
+                    "type": "submit", "id": submit_id, "task": task, "params": params,
+                    "tensors": list(tensors), "mp4": mp4}))
+                for name, array in tensors.items():
+                    await watch.ws.send_bytes(protocol.encode_tensor(name, array))
+                return await self._follow(session, watch)
+            finally:
+                await self._stop_watch(watch)
+
+    async def attach(self, job_id: str, on_progress=None, cancel: asyncio.Event | None = None,
+                     timeout: float | None = None, mp4: bool = False) -> JobResult:
+        """Follows a job submitted earlier (perhaps by another connection) to its end."""
+        watch = self._watch(on_progress, cancel, timeout, mp4)
+        watch.job = job_id
+        async with self._session() as session:
+            try:
+                watch.ws = await self._open(session)
+                await self._send_attach(watch)
+                return await self._follow(session, watch)
+            finally:
+                await self._stop_watch(watch)
+
+    def _session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout))
+
+    def _watch(self, on_progress, cancel, timeout, mp4) -> _JobWatch:
+        deadline = asyncio.get_running_loop().time() + timeout if timeout else None
+        return _JobWatch(on_progress, cancel, deadline, timeout, mp4)
+
+    async def _open(self, session: aiohttp.ClientSession) -> aiohttp.ClientWebSocketResponse:
+        """Connects and greets; raises EngineError for an absent engine, a refused token or another version."""
+        try:
+            ws = await session.ws_connect(self.url + "/v1/ws", heartbeat=30,
+                                          max_msg_size=protocol.MAX_RESULT_TENSOR_BYTES,
+                                          timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0))
+        except aiohttp.WSServerHandshakeError as exc:
+            raise EngineError("bad_response", f"The server at {self.url} refused the WebSocket (HTTP {exc.status}): "
+                                              f"is this an H3Forge engine?") from None
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError):
+            raise self._unreachable() from None
+        await ws.send_str(protocol.encode_control({
+            "type": "hello", "id": uuid.uuid4().hex, "version": protocol.PROTOCOL_VERSION, "token": self.token}))
+        try:
+            msg, _ = await _receive(ws, self.connect_timeout)
+        except (_Dropped, asyncio.TimeoutError):
+            await ws.close()
+            raise EngineError("unreachable", f"The engine at {self.url} did not answer the hello within "
+                                             f"{self.connect_timeout:g} s.") from None
+        if msg["type"] == "error":
+            await ws.close()
+            if msg["code"] == "auth":
+                raise self._auth_error()
+            raise EngineError(msg["code"], msg["message"])
+        if msg["type"] != "welcome":
+            await ws.close()
+            raise EngineError("bad_response", f"The engine at {self.url} answered the hello with {msg['type']!r}.")
+        return ws
+
+    async def _send_attach(self, watch: _JobWatch) -> None:
+        await watch.ws.send_str(protocol.encode_control(
+            {"type": "attach", "id": uuid.uuid4().hex, "job": watch.job, "mp4": watch.mp4}))
+
+    async def _follow(self, session: aiohttp.ClientSession, watch: _JobWatch) -> JobResult:
+        if watch.cancel is not None:
+            watch.tasks.append(asyncio.create_task(self._cancel_when_set(watch)))
+        reconnects = iter(RECONNECT_DELAYS_S)
+        while True:
+            try:
+                msg, frames = await _receive(watch.ws, self._remaining(watch))
+            except asyncio.TimeoutError:
+                if watch.cancel_deadline is not None:
+                    raise EngineError("cancelled", f"Cancelled (the engine had not confirmed within "
+                                                   f"{CANCEL_GRACE_S:g} s).") from None
+                raise EngineError("timeout", f"The engine did not finish the job within {watch.timeout:g} s; "
+                                             f"it was cancelled.") from None
+            except _Dropped:
+                if watch.job is None:
+                    raise EngineError("disconnected", f"The connection to {self.url} dropped before the engine "
+                                                      f"accepted the job.") from None
+                delay = next(reconnects, None)
+                if delay is None:
+                    raise EngineError("disconnected", f"Lost the connection to {self.url} during job {watch.job} "
+                                                      f"and could not reconnect.") from None
+                await asyncio.sleep(delay)
+                try:
+                    watch.ws = await self._open(session)
+                except EngineError as exc:
+                    if exc.code != "unreachable":
+                        raise
+                    continue  # the old socket reports the drop again: next attempt
+                await self._send_attach(watch)
+                if watch.cancel_deadline is not None:
+                    await self._send_cancel(watch)
+                continue
+            result = await self._handle(watch, msg, frames)
+            if result is not None:
+                return result
+
+    async def _handle(self, watch: _JobWatch, msg: dict, frames: dict) -> JobResult | None:
+        kind = msg["type"]
+        if kind == "accepted":
+            watch.job = msg["job"]
+            if watch.cancel is not None and watch.cancel.is_set() and watch.cancel_deadline is None:
+                await self._send_cancel(watch)
+        elif kind == "error" and msg.get("job") in (None, watch.job):
+            watch.ended = msg.get("job") is not None
+            raise EngineError(msg["code"], msg["message"])
+        elif kind == "progress" and msg["job"] == watch.job and watch.on_progress is not None:
+            preview = frames.get("preview")
+            event = ProgressEvent(msg["job"], msg["stage"], msg["step"], msg["total"], msg.get("eta_s"),
+                                  preview.tobytes() if preview is not None else None, msg.get("position"))
+            outcome = watch.on_progress(event)
+            if inspect.isawaitable(outcome):
+                await outcome
+        elif kind == "result" and msg["job"] == watch.job:
+            watch.ended = True
+            if watch.cancel_deadline is not None:  # it finished before the cancel took effect
+                raise EngineError("cancelled", "Cancelled.")
+            meta, mp4 = msg["meta"], frames.get("mp4")
+            return JobResult(msg["job"], meta, frames["frames"], frames["audio"], int(meta["sample_rate"]),
+                             int(meta["fps"]), mp4.tobytes() if mp4 is not None else None)
+        return None
+
+    def _remaining(self, watch: _JobWatch) -> float | None:
+        ends = [t for t in (watch.deadline, watch.cancel_deadline) if t is not None]
+        return max(0.0, min(ends) - asyncio.get_running_loop().time()) if ends else None
+
+    async def _cancel_when_set(self, watch: _JobWatch) -> None:
+        await watch.cancel.wait()
+        if watch.job is not None and watch.cancel_deadline is None:  # else sent when `accepted` arrives
+            await self._send_cancel(watch)
+
+    async def _send_cancel(self, watch: _JobWatch) -> None:
+        if watch.cancel_deadline is None:
+            watch.cancel_deadline = asyncio.get_running_loop().time() + CANCEL_GRACE_S
+        try:
+            await watch.ws.send_str(protocol.encode_control(
+                {"type": "cancel", "id": uuid.uuid4().hex, "job": watch.job}))
+        except (ConnectionError, RuntimeError):
+            pass  # sent again after the reconnect
+
+    async def _stop_watch(self, watch: _JobWatch) -> None:
+        """Closes the connection; a job abandoned before its end (timeout, task cancelled, callback error) is
+        cancelled on the engine, since nobody will collect it."""
+        for task in watch.tasks:
+            task.cancel()
+        if watch.ws is None or watch.ws.closed:
+            return
+        try:
+            if watch.job is not None and not watch.ended:
+                await asyncio.wait_for(asyncio.shield(watch.ws.send_str(protocol.encode_control(
+                    {"type": "cancel", "id": uuid.uuid4().hex, "job": watch.job}))), 2.0)
+            await asyncio.wait_for(asyncio.shield(watch.ws.close()), 5.0)
+        except (ConnectionError, RuntimeError, asyncio.TimeoutError, asyncio.CancelledError):
+            pass
+
+
+async def _receive(ws: aiohttp.ClientWebSocketResponse, timeout: float | None) -> tuple[dict, dict[str, np.ndarray]]:
+    """The next control message from the engine and the binary frames that follow it."""
+    msg = _control(await _next(ws, timeout))
+    frames = {}
+    for expected in protocol.frames_following(msg):
+        data = await _next(ws, timeout)
+        if data.type != aiohttp.WSMsgType.BINARY:
+            raise EngineError("bad_response", f"The engine sent a control message where tensor {expected!r} "
+                                              f"should have come.")
+        try:
+            name, array = protocol.decode_tensor(data.data)
+        except protocol.ProtocolError as exc:
+            raise EngineError("bad_response", f"The engine sent a bad tensor: {exc.message}") from None
+        frames[name] = array
+    return msg, frames
+
+
+async def _next(ws: aiohttp.ClientWebSocketResponse, timeout: float | None) -> aiohttp.WSMessage:
+    message = await ws.receive(timeout=timeout)
+    if message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED,
+                        aiohttp.WSMsgType.ERROR):
+        raise _Dropped()
+    return message
+
+
+def _control(message: aiohttp.WSMessage) -> dict:
+    if message.type != aiohttp.WSMsgType.TEXT:
+        raise EngineError("bad_response", "The engine sent a binary frame where a control message should have come.")
+    try:
+        return protocol.decode_control(message.data, types=protocol.ENGINE_TYPES)
+    except protocol.ProtocolError as exc:
+        raise EngineError("bad_response", f"The engine sent a bad message: {exc.message}") from None
