@@ -1,0 +1,474 @@
+"""MiniMax-H3 video and audio VAEs (specs/h3.md §3) over diffusers' `AutoencoderKLMiniMaxH3{,Audio}`.
+
+The wrappers own what the pipeline does around the autoencoders: per-channel latent normalisation, the
+ImageNet pixel convention, the keyframe/reference encode recipe, tiled decode, fp16 autocast on CUDA, the
+uint8 conversion on the device, and stereo-as-batch audio. Loading: the diffusers layout (`vae/`,
+`audio_vae/`), the original MiniMax layout (`video_vae/` + `source/`, `audio_vae/` + `metadata.json`), and
+the `tiny` preset (same architectures at tiny width, weights from a fixed seed, no files).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+from diffusers.models.modeling_utils import no_init_weights
+from safetensors import safe_open
+from torch import nn
+
+from engine.io.convert import to_uint8_frames
+from engine.models.h3.checkpoint import deinterleave_qkv, swap_halves
+from engine.models.h3.layout import LATENTS_PER_CHUNK, latent_frames
+
+# Spec §3.1, exactly as published.
+VIDEO_LATENTS_MEAN = (
+    0.858090341091156, -0.9606591463088989, 1.0661640167236328, -0.5090325474739075, -0.2727581858634949,
+    -1.3675414323806763, -0.2553254961967468, -0.26907554268836975, -0.5376840829849243, -0.0464097298681736,
+    0.6657370328903198, 0.19690127670764923, -0.5460608005523682, -0.4035342037677765, -0.23683024942874908,
+    0.25928452610969543, -0.30133944749832153, 0.211341992020607, -1.1206848621368408, 0.3581933379173279,
+    -0.04225143790245056, 0.2604829967021942, 0.22864092886447906, 0.7056031823158264,
+)
+VIDEO_LATENTS_STD = (
+    1.2223774194717407, 1.2767263650894165, 1.68317747116088865, 1.7549455165863037, 1.5636216402053833,
+    2.194143533706665, 0.96531379222869875, 1.05698859691619875, 0.841948926448822, 0.7729952931404114,
+    1.8955937623977661, 0.946841835975647, 0.7996809482574463, 0.44988900423049925, 0.7197399735450745,
+    0.69362932443618775, 2.961095094680786, 2.7694199085235595, 3.0496184825897215, 2.1088054180145265,
+    3.276226282119751, 3.1627357006073, 2.28168129920959475, 2.6127843856811525,
+)
+# Spec §3.2.
+AUDIO_LATENTS_MEAN = (
+    -0.020211687488382354, 0.3876466479950502, -0.04398279799186767, -0.28591514936373,
+    0.08179686214561671, -0.35782641352446604, 0.040623809960919084, -0.01552534501956604, -0.223362481667332,
+    0.1821006842509091, 0.2941778783780663, -0.07901167601970885, -0.056815072777201, -0.3699028221860095,
+    -0.31616315591624855, 0.5905951377425391, -0.052139568068853864, 0.013673160263486295, -0.03691647864630577,
+    0.09732660653298163, -0.3394662328788498, -0.30685677538541667, -0.24504598907458763, -0.034698524462007344,
+    0.02868032184767538, -0.21217779266454084, -0.1678263169941987, 0.3221287889040614, -0.1223055851554907,
+    0.4356604928128464, -0.0502599202236253, 0.3979258376211797,
+)
+AUDIO_LATENTS_STD = (
+    1.6895524230479284, 2.76263727217653, 1.7945344281264435, 1.6801681847309828,
+    1.6390226546605453, 2.7788298348882177, 1.7659090095747236, 1.6199757612137327, 2.6336525640336896,
+    1.8539356672817833, 2.5056497896915633, 1.811019237886178, 1.9579657790720237, 1.6685498243529284,
+    1.4922469314453364, 3.298670198067373, 1.9491804496832168, 1.8720003270431442, 1.8334080103291832,
+    1.6488070416529093, 1.6176957696319716, 1.9131449234774398, 1.5695245398428617, 1.6943659940415912,
+    1.8318420762504692, 1.5540637421583379, 1.9344930328968526, 1.599198216109855, 1.718045989838149,
+    1.6307219190837705, 1.8661226051202384, 1.5613768203168363,
+)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+TILE_SIZE, TILE_OVERLAP = 256, 64
+ENCODE_SEED = 42
+
+# Tiny presets: the real compression (16x spatial, 4x temporal, 24 channels, clip 17 / drop 3; hop 800,
+# 32 channels) so every layout rule holds, at widths that run in seconds on a laptop CPU.
+TINY_VIDEO_VAE = dict(
+    block_out_channels=(4, 8, 8, 16, 16, 16), layers_per_block=1, norm_num_groups=4,
+    decoder_num_layers=2, decoder_num_attention_heads=2, decoder_attention_head_dim=16,
+    decoder_num_register_tokens=2,
+)
+# Half the real 256/64 px: canvases past 128 px (the tiny default 224x128 included) decode as blended tiles,
+# while small encodes stay one tile (CPU conv3d pays for every overlap).
+TINY_TILE_SIZE, TINY_TILE_OVERLAP = 128, 32
+# decoder_dim 128 halves through the 7 upsamplers down to 1 channel, the narrowest BigVGAN stack possible; one
+# AMP block per stage instead of three (the per-sample activations at 32 kHz dominate CPU time).
+TINY_AUDIO_VAE = dict(encoder_dim=4, latent_dim=64, num_attention_heads=2, decoder_dim=128,
+                      resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1, 3, 5),))
+
+
+def _channel_stats(values, ndim: int) -> torch.Tensor:
+    shape = [1, -1] + [1] * (ndim - 2)
+    return torch.tensor(values, dtype=torch.float32).view(shape)
+
+
+def _check_stats(mean, std, channels: int, what: str) -> None:
+    if len(mean) != channels or len(std) != channels:
+        raise ValueError(f"{what}: latents_mean/std need {channels} entries, got {len(mean)}/{len(std)}")
+
+
+def _randomize_constant_params(model: nn.Module, generator: torch.Generator) -> None:
+    # Zero-initialised layer scales, registers and constant norm weights would make whole sub-networks
+    # no-ops (and hide conversion bugs), so every constant parameter gets a small random perturbation.
+    with torch.no_grad():
+        for p in model.parameters():
+            if bool((p == p.flatten()[0]).all()):
+                p.add_(0.1 * torch.randn(p.shape, generator=generator))
+
+
+def _seeded(cls, config: dict, seed: int) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(**config)
+    _randomize_constant_params(model, torch.Generator().manual_seed(seed + 1))
+    return model.eval()
+
+
+@torch.no_grad()
+def _load_strict(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Copy (key, tensor) pairs into the model one at a time (peak memory: model + one tensor); every
+    parameter and buffer of the state dict must come exactly once with its shape, or ValueError."""
+    expected = model.state_dict()
+    seen = set()
+    for key, tensor in items:
+        if key not in expected:
+            raise ValueError(f"unexpected key {key!r} in {source}")
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise ValueError(f"{key!r} in {source} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(expected[key].shape)}")
+        expected[key].copy_(tensor)
+        seen.add(key)
+    missing = [key for key in expected if key not in seen]
+    if missing:
+        raise ValueError(f"missing key {missing[0]!r} in {source}" +
+                         (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
+def _safetensors_items(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for key in f.keys():
+            yield key, f.get_tensor(key)
+
+
+def _diffusers_items(folder: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], str]:
+    """(key, tensor) pairs of a diffusers component folder, single file or sharded, and a name for errors."""
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        items = (item for shard in shards for item in _safetensors_items(folder / shard))
+        return items, str(index)
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    return _safetensors_items(weights), str(weights)
+
+
+def _from_diffusers_folder(cls, folder: Path, config: dict) -> nn.Module:
+    # Built and filled here rather than by `from_pretrained`, which needs `accelerate` for these classes.
+    with no_init_weights():
+        model = cls.from_config(config)
+    items, source = _diffusers_items(folder)
+    _load_strict(model, items, source)
+    return model.eval()
+
+
+def _read_json(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _component_dir(path: str | Path, names: tuple[str, ...]) -> Path:
+    path = Path(path)
+    for name in names:
+        if (path / name / "config.json").is_file():
+            return path / name
+    if (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(f"no {' or '.join(n + '/' for n in names)}config.json under {path}")
+
+
+# --- video ---------------------------------------------------------------------------------------------------
+
+_ORIGINAL_MASK_TOKEN = "decoder.mask_token"
+
+
+def original_video_vae_key(key: str) -> str:
+    """Diffusers `AutoencoderKLMiniMaxH3` key -> the original (MiniMax) key it comes from (spec §7.4)."""
+    m = re.match(r"^encoder\.down_blocks\.(\d+)\.(resnets|downsamplers)\.(\d+)\.(.+)$", key)
+    if m:
+        level, kind, index, rest = m.groups()
+        if kind == "downsamplers":
+            return f"encoder.down.{level}.downsample.{rest}"
+        return f"encoder.down.{level}.block.{index}.{rest.replace('conv_shortcut.', 'nin_shortcut.')}"
+    key = key.replace("decoder.proj_in.", "decoder.x_embedder.")
+    key = re.sub(r"\.attn\.to_[qkv]\.", ".attn.to_qkv.", key)
+    key = key.replace(".attn.to_out.0.", ".attn.to_out.")
+    key = key.replace(".ff.net.0.proj.", ".ff.w1.").replace(".ff.net.2.", ".ff.w2.")
+    return key
+
+
+def original_video_vae_plan(model: AutoencoderKLMiniMaxH3) -> dict[str, list[str]]:
+    """Every original key the model needs -> the diffusers key(s) it becomes (q, k, v for a fused `to_qkv`)."""
+    plan: dict[str, list[str]] = {}
+    for key in model.state_dict():
+        plan.setdefault(original_video_vae_key(key), []).append(key)
+    for targets in plan.values():
+        targets.sort(key=lambda k: ("to_q." not in k, "to_k." not in k))  # q, k, v order
+    return plan
+
+
+def convert_original_video_vae(original: Iterable[tuple[str, torch.Tensor]], model: AutoencoderKLMiniMaxH3,
+                               source: str = "state dict") -> Iterator[tuple[str, torch.Tensor]]:
+    """Original video-VAE (key, tensor) pairs -> diffusers pairs, lazily. Strict: an unknown key, or (once the
+    input is exhausted) a key the model needs that never came, raises ValueError naming it and `source`."""
+    plan = original_video_vae_plan(model)
+    heads = model.config.decoder_num_attention_heads
+    seen = set()
+    for key, tensor in original:
+        if key == _ORIGINAL_MASK_TOKEN:  # MAE training leftover, unused by the decoder
+            continue
+        if key not in plan:
+            raise ValueError(f"unexpected key {key!r} in {source}")
+        seen.add(key)
+        targets = plan[key]
+        if ".attn.to_qkv." in key:
+            if tensor.shape[0] % (3 * heads):
+                raise ValueError(f"{key!r} in {source} has {tensor.shape[0]} rows, not 3 x {heads} heads")
+            yield from zip(targets, deinterleave_qkv(tensor, heads).chunk(3, dim=0))
+        elif ".ff.w1." in key:  # original [gate; up], diffusers SwiGLU reads [up; gate]
+            yield targets[0], swap_halves(tensor)
+        else:
+            yield targets[0], tensor
+    missing = [key for key in plan if key not in seen]
+    if missing:
+        raise ValueError(f"missing key {missing[0]!r} in {source}" +
+                         (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
+def video_vae_config_from_original(wrapper: dict, source: dict) -> dict:
+    """`video_vae/config.json` + `video_vae/source/config.json` (original names) -> diffusers constructor kwargs."""
+    vit = source.get("vit_decoder_kwargs", {})
+    ch = source.get("ch", 128)
+    config = dict(
+        in_channels=source.get("in_channels", 3),
+        out_channels=source.get("out_ch", 3),
+        latent_channels=source.get("z_channels", 24),
+        block_out_channels=tuple(ch * m for m in source.get("ch_mult", (1, 2, 2, 4, 4, 8))),
+        layers_per_block=source.get("num_res_blocks", 2),
+        spatial_downsample_factors=tuple(source.get("space_down", (2, 2, 2, 2, 1, 1))),
+        temporal_downsample_factors=tuple(source.get("time_down", (1, 2, 2, 1, 1, 1))),
+        norm_num_groups=source.get("norm_num_groups", 32),
+        spatial_padding_mode=source.get("padding_mode", "reflect"),
+        decoder_num_layers=vit.get("num_layers", 36),
+        decoder_num_attention_heads=vit.get("heads", 32),
+        decoder_attention_head_dim=vit.get("dim_head", 64),
+        decoder_num_register_tokens=vit.get("num_register_tokens", 4),
+        decoder_rope_theta=vit.get("rope_theta", 100.0),
+        decoder_rope_dim_ratio=vit.get("rope_dim_ratio", 0.75),
+        clip_length=wrapper.get("vae_clip_length", 17),
+        token_drop=wrapper.get("vae_token_drop", 3),
+    )
+    if source.get("embed_dim", config["latent_channels"]) != config["latent_channels"]:
+        raise ValueError("video VAE source config: embed_dim != z_channels is not supported")
+    return config
+
+
+class VideoVAE(nn.Module):
+    """`AutoencoderKLMiniMaxH3` plus the 24-channel latent statistics; see the module docstring."""
+
+    def __init__(self, model: AutoencoderKLMiniMaxH3, latents_mean=VIDEO_LATENTS_MEAN,
+                 latents_std=VIDEO_LATENTS_STD, tile_size: int = TILE_SIZE, tile_overlap: int = TILE_OVERLAP):
+        super().__init__()
+        _check_stats(latents_mean, latents_std, model.config.latent_channels, "video VAE")
+        self.model = model.eval()
+        self.latents_mean_values = tuple(float(v) for v in latents_mean)
+        self.latents_std_values = tuple(float(v) for v in latents_std)
+        self.register_buffer("latents_mean", _channel_stats(self.latents_mean_values, 5), persistent=False)
+        self.register_buffer("latents_std", _channel_stats(self.latents_std_values, 5), persistent=False)
+        self.register_buffer("pixel_mean", _channel_stats(IMAGENET_MEAN, 5), persistent=False)
+        self.register_buffer("pixel_std", _channel_stats(IMAGENET_STD, 5), persistent=False)
+        model.enable_tiling(tile_size, tile_size, tile_overlap, tile_overlap)
+
+    @property
+    def device(self) -> torch.device:
+        return self.latents_mean.device
+
+    @property
+    def spatial_compression(self) -> int:
+        return self.model.spatial_compression_ratio
+
+    @torch.no_grad()
+    def encode_frames(self, frames_uint8: torch.Tensor, generator_seed: int = ENCODE_SEED) -> torch.Tensor:
+        """uint8 [F, H, W, 3] (F = 1 or 17n + 5; H, W multiples of 16) -> normalised latents [1, 24, T, H/16, W/16].
+
+        The keyframe/reference recipe (spec §3.1): ImageNet-normalise, encode, sample the posterior under an
+        independent CPU generator seeded `generator_seed`, round to fp16, normalise.
+        """
+        frames = torch.as_tensor(frames_uint8)
+        if frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"expected uint8 frames [F, H, W, 3], got {frames.dtype} {tuple(frames.shape)}")
+        num_frames, height, width = frames.shape[:3]
+        if num_frames > 1:
+            latent_frames(num_frames)  # raises LayoutError unless 17n + 5
+        s = self.spatial_compression
+        if height % s or width % s:
+            raise ValueError(f"frame size {width}x{height} must be a multiple of {s}")
+        x = frames.to(self.device).permute(3, 0, 1, 2).unsqueeze(0).float().div_(255.0)
+        x = (x - self.pixel_mean) / self.pixel_std
+        posterior = self.model.encode(x, return_dict=False)[0]
+        z = posterior.sample(generator=torch.Generator().manual_seed(generator_seed))
+        z = z.to(torch.float16).float()
+        return (z - self.latents_mean) / self.latents_std
+
+    def encode_image(self, image_uint8: torch.Tensor, generator_seed: int = ENCODE_SEED) -> torch.Tensor:
+        """uint8 [H, W, 3] -> normalised latents [1, 24, 1, H/16, W/16] (spatial encoder only)."""
+        return self.encode_frames(torch.as_tensor(image_uint8)[None], generator_seed)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents [1, 24, T, h, w] -> uint8 frames [F, H, W, 3] on the latents' device.
+
+        Tiled and temporally chunked by diffusers; fp16 autocast over the fp32 weights on CUDA (the reference
+        recipe), fp32 elsewhere. T = 5n + 2 gives F = 17n + 5.
+        """
+        if latents.dim() != 5 or latents.shape[0] != 1:
+            raise ValueError(f"expected latents [1, C, T, h, w], got {tuple(latents.shape)}")
+        if latents.shape[2] % LATENTS_PER_CHUNK != 2:
+            raise ValueError(f"the video VAE decodes 5n + 2 latent frames, got {latents.shape[2]}")
+        z = latents.to(self.device, torch.float32) * self.latents_std + self.latents_mean
+        num_latents = z.shape[2]
+        if num_latents == 2:
+            # diffusers' chunk loop decodes nothing for n = 0 (5 frames): repeat the last latent up to one full
+            # window (7 latents -> 22 frames) and keep the 5 frames of the first two latents.
+            z = torch.cat([z, z[:, :, -1:].expand(-1, -1, 5, -1, -1)], dim=2)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=z.device.type == "cuda"):
+            video = self.model.decode(z, return_dict=False)[0]
+        if num_latents == 2:
+            video = video[:, :, :LATENTS_PER_CHUNK]
+        video = video.float().mul_(self.pixel_std).add_(self.pixel_mean)  # the decoder's output is ours to reuse
+        return to_uint8_frames(video).to(latents.device)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "VideoVAE":
+        """Load from a models folder (or the component folder): diffusers `vae/` or original `video_vae/`."""
+        folder = _component_dir(path, ("vae", "video_vae"))
+        config = _read_json(folder / "config.json")
+        if "source_path" in config or "source_safetensors_path" in config:
+            return cls._from_original(folder, config)
+        model = _from_diffusers_folder(AutoencoderKLMiniMaxH3, folder, config)
+        return cls(model, config.get("latents_mean") or VIDEO_LATENTS_MEAN,
+                   config.get("latents_std") or VIDEO_LATENTS_STD)
+
+    @classmethod
+    def _from_original(cls, folder: Path, wrapper: dict) -> "VideoVAE":
+        source_dir = folder / wrapper.get("source_path", "source")
+        weights = source_dir / wrapper.get("source_safetensors_path", "model.safetensors")
+        config = video_vae_config_from_original(wrapper, _read_json(source_dir / "config.json"))
+        with no_init_weights():
+            model = AutoencoderKLMiniMaxH3(**config)
+        items = convert_original_video_vae(_safetensors_items(weights), model, str(weights))
+        _load_strict(model, items, str(weights))
+        return cls(model, wrapper.get("latents_mean") or VIDEO_LATENTS_MEAN,
+                   wrapper.get("latents_std") or VIDEO_LATENTS_STD,
+                   wrapper.get("vae_tile_size", TILE_SIZE), wrapper.get("vae_tile_overlap_min", TILE_OVERLAP))
+
+
+def build_tiny_video_vae(seed: int = 0) -> VideoVAE:
+    model = _seeded(AutoencoderKLMiniMaxH3, dict(TINY_VIDEO_VAE, latents_mean=VIDEO_LATENTS_MEAN,
+                                                 latents_std=VIDEO_LATENTS_STD), seed)
+    return VideoVAE(model, tile_size=TINY_TILE_SIZE, tile_overlap=TINY_TILE_OVERLAP)
+
+
+# --- audio ---------------------------------------------------------------------------------------------------
+
+# Not in the released `metadata.json`: the reference hardcodes them (32 kHz BigVGAN table). Taken from the
+# metadata when present (the tiny preset written in this layout).
+_AUDIO_FIXED = dict(num_attention_heads=8, resblock_kernel_sizes=(3, 7, 11),
+                    resblock_dilation_sizes=((1, 3, 5), (1, 3, 5), (1, 3, 5)))
+
+
+def audio_vae_config_from_original(metadata: dict, wrapper: dict) -> dict:
+    """`audio_vae/metadata.json` + `config.json` (original) -> diffusers constructor kwargs (spec §7.4)."""
+    kwargs = metadata["metadata"]["kwargs"]
+    if kwargs.get("decoder_type", "bigvgan") != "bigvgan" or not kwargs.get("attn_proj", True):
+        raise ValueError("audio VAE: only the BigVGAN decoder with the attention projection is supported")
+    if "latent_channels" in wrapper and wrapper["latent_channels"] != kwargs["vae_latent_channels"]:
+        raise ValueError("audio VAE: metadata.json and config.json disagree on the latent width")
+    return dict(
+        {key: kwargs.get(key, value) for key, value in _AUDIO_FIXED.items()},
+        encoder_dim=kwargs["encoder_dim"], encoder_rates=tuple(kwargs["encoder_rates"]),
+        latent_dim=kwargs["latent_dim"], latent_channels=kwargs["vae_latent_channels"],
+        decoder_dim=kwargs["decoder_dim"], decoder_rates=tuple(kwargs["decoder_rates"]),
+        decoder_kernel_sizes=tuple(2 * u - u % 2 for u in kwargs["decoder_rates"]),
+        sampling_rate=kwargs["sample_rate"],
+    )
+
+
+def resample(waveform: torch.Tensor, orig_rate: int, new_rate: int) -> torch.Tensor:
+    """[C, S] linear-interpolation resampling (no anti-alias filter: reference soundtracks only)."""
+    if orig_rate == new_rate:
+        return waveform
+    length = max(1, round(waveform.shape[-1] * new_rate / orig_rate))
+    return F.interpolate(waveform[None], size=length, mode="linear", align_corners=False)[0]
+
+
+class AudioVAE(nn.Module):
+    """`AutoencoderKLMiniMaxH3Audio` (mono, 32 kHz) plus the 32-channel latent statistics; stereo = batch of 2."""
+
+    def __init__(self, model: AutoencoderKLMiniMaxH3Audio, latents_mean=AUDIO_LATENTS_MEAN,
+                 latents_std=AUDIO_LATENTS_STD):
+        super().__init__()
+        _check_stats(latents_mean, latents_std, model.config.latent_channels, "audio VAE")
+        self.model = model.eval()
+        self.latents_mean_values = tuple(float(v) for v in latents_mean)
+        self.latents_std_values = tuple(float(v) for v in latents_std)
+        self.register_buffer("latents_mean", _channel_stats(self.latents_mean_values, 3), persistent=False)
+        self.register_buffer("latents_std", _channel_stats(self.latents_std_values, 3), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.latents_mean.device
+
+    @property
+    def sample_rate(self) -> int:
+        return self.model.config.sampling_rate
+
+    @property
+    def hop(self) -> int:
+        return self.model.hop_length
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents [2, 32, Ta] (one batch item per stereo channel) -> float32 waveform [2, Ta * hop]."""
+        if latents.dim() != 3:
+            raise ValueError(f"expected audio latents [channels, 32, Ta], got {tuple(latents.shape)}")
+        z = latents.to(self.device, torch.float32) * self.latents_std + self.latents_mean
+        audio = self.model.decode(z, return_dict=False)[0][:, 0]
+        return audio.float().clamp_(-1.0, 1.0).to(latents.device)
+
+    @torch.no_grad()
+    def encode(self, waveform: torch.Tensor, sample_rate: int) -> torch.Tensor:
+        """float [C, S] (C = 1 or 2) at `sample_rate` -> normalised posterior-mean latents [2, 32, ceil(S'/hop)].
+
+        Resampled to 32 kHz, mono duplicated to stereo; diffusers right-pads to a multiple of the hop.
+        """
+        x = torch.as_tensor(waveform).to(self.device, torch.float32)
+        if x.dim() == 1:
+            x = x[None]
+        if x.dim() != 2 or x.shape[0] not in (1, 2):
+            raise ValueError(f"expected a mono or stereo waveform [C, S], got {tuple(x.shape)}")
+        x = resample(x, int(sample_rate), self.sample_rate)
+        if x.shape[0] == 1:
+            x = x.expand(2, -1)
+        mean = self.model.encode(x[:, None].contiguous(), return_dict=False)[0].mode()
+        return (mean - self.latents_mean) / self.latents_std
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "AudioVAE":
+        """Load `audio_vae/` in the diffusers layout or the original one (`model.safetensors` + `metadata.json`)."""
+        folder = _component_dir(path, ("audio_vae",))
+        config = _read_json(folder / "config.json")
+        if (folder / "metadata.json").is_file():
+            with no_init_weights():
+                model = AutoencoderKLMiniMaxH3Audio(
+                    **audio_vae_config_from_original(_read_json(folder / "metadata.json"), config))
+            weights = folder / "model.safetensors"
+            _load_strict(model, _safetensors_items(weights), str(weights))  # original names = diffusers names
+        else:
+            model = _from_diffusers_folder(AutoencoderKLMiniMaxH3Audio, folder, config)
+        mean = config.get("latents_mean") or AUDIO_LATENTS_MEAN
+        std = config.get("latents_std") or AUDIO_LATENTS_STD
+        return cls(model, mean, std)
+
+
+def build_tiny_audio_vae(seed: int = 0) -> AudioVAE:
+    model = _seeded(AutoencoderKLMiniMaxH3Audio, dict(TINY_AUDIO_VAE, latents_mean=list(AUDIO_LATENTS_MEAN),
+                                                      latents_std=list(AUDIO_LATENTS_STD)), seed)
+    return AudioVAE(model)
+
+
+__all__ = [
+    "VideoVAE", "AudioVAE", "build_tiny_video_vae", "build_tiny_audio_vae", "convert_original_video_vae",
+    "original_video_vae_plan", "VIDEO_LATENTS_MEAN", "VIDEO_LATENTS_STD", "AUDIO_LATENTS_MEAN", "AUDIO_LATENTS_STD",
+]
