@@ -17,6 +17,7 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 _BACKENDS: dict[str, AttentionFn] = {}
 _AVAILABLE: dict[str, Callable[[torch.device], bool]] = {}
 _override: str | None = None
+_sparse: Callable[..., torch.Tensor | None] | None = None  # set by engine.kernels.vsa.active(); None declines
 
 
 def register(name: str, available: Callable[[torch.device], bool] = lambda device: True):
@@ -99,5 +100,11 @@ def use_backend(name: str | None):
         _override = previous
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return _BACKENDS[choose(q.device)](q, k, v)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if _sparse is not None and (out := _sparse(q, k, v)) is not None:
+        return out
+    return dense(q, k, v)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from engine.kernels.attention import attention
 from engine.models.h3.config import NUM_MODALITIES, H3Config
+from engine.parallel import ulysses
 
 FP32_MODULES = ("video_patch_proj", "audio_patch_proj", "time_embedder", "final_layer.video_out",
                 "final_layer.audio_out")
@@ -65,12 +66,13 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(c.attention_head_dim, eps=c.qk_norm_eps)
         self.out_proj = nn.Linear(c.inner_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attend=attention) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).unflatten(-1, (3, self.heads, -1)).unbind(2)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attention(q, k, v).flatten(2).type_as(q)
+        out = attend(q, k, v).flatten(2).type_as(q)
         return self.out_proj(out)
 
 
@@ -135,11 +137,11 @@ class Block(nn.Module):
         self.mlp = SwiGLU(c)
         self.adaln_proj = AdaLNProjection(c)
 
-    def forward(self, x, mods, rows, rope):
+    def forward(self, x, mods, rows, rope, attend=attention):
         """`mods` are this block's six AdaLN tables; `rows` the per-row table address."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (m.index_select(0, rows) for m in mods)
         h = self.norm1(x) * (1.0 + scale_msa) + shift_msa
-        x = x + gate_msa * self.attn(h, rope)
+        x = x + gate_msa * self.attn(h, rope, attend)
         h = self.norm2(x) * (1.0 + scale_mlp) + shift_mlp
         return x + gate_mlp * self.mlp(h)
 
@@ -208,8 +210,13 @@ class H3DiT(nn.Module):
         return self.time_embedder(timestep)
 
     def block_modulations(self, temb: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-        """Per-block AdaLN tables for these timesteps (the AdaLN cache stores exactly these)."""
+        """Per-block AdaLN tables for these timesteps."""
         return [block.adaln_proj(temb) for block in self.blocks]
+
+    def modulations(self, temb: torch.Tensor):
+        """Every AdaLN table for these timesteps: per block, then the final layer's (shift, scale); the AdaLN
+        cache (engine/cache/adaln.py) stores exactly these."""
+        return self.block_modulations(temb), self.final_layer.modulation(temb)
 
     def forward(
         self,
@@ -223,10 +230,13 @@ class H3DiT(nn.Module):
         video_indices: torch.Tensor,
         audio_indices: torch.Tensor,
         text_indices: torch.Tensor,
-        modulations: list[tuple[torch.Tensor, ...]] | None = None,
+        modulations: tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the data-ward velocity (x0 - noise) of the video and audio rows, fp32."""
-        rope = rope_table(position_ids, self.rope_inv_freq)
+        """Returns the data-ward velocity (x0 - noise) of the video and audio rows, fp32. `modulations` are
+        `self.modulations(temb)` when the caller has them. Inside `ulysses.parallel(group)` the blocks run on
+        this rank's shard of the rows."""
+        sp = ulysses.shards(position_ids.shape[0])
+        rope = rope_table(sp.split(position_ids), self.rope_inv_freq)
         dtype = self.dtype
 
         text_h = self.token_refiner(self.condition_proj(text.to(self.condition_proj.weight.dtype)))
@@ -236,14 +246,13 @@ class H3DiT(nn.Module):
         x = x.index_copy(1, text_indices, text_h).index_copy(1, video_indices, video_h)
         x = x.index_copy(1, audio_indices, audio_h).to(dtype)
 
-        temb = self.time_embedding(timestep)
         if modulations is None:
-            modulations = self.block_modulations(temb)
-        rows = timestep_indices * NUM_MODALITIES + token_tags
-        for block, mods in zip(self.blocks, modulations):
-            x = block(x, mods, rows, rope)
-
-        shift, scale = self.final_layer.modulation(temb)
+            modulations = self.modulations(self.time_embedding(timestep))
+        block_mods, (shift, scale) = modulations
+        x, rows = sp.split(x, 1), sp.split(timestep_indices * NUM_MODALITIES + token_tags)
+        for block, mods in zip(self.blocks, block_mods):
+            x = block(x, mods, rows, rope, sp.attention)
+        x = sp.gather(x, 1)
         return self.final_layer(x, shift, scale, timestep_indices, video_indices, audio_indices)
 
 

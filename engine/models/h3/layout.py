@@ -120,7 +120,7 @@ def frame_times(num_latent_frames: int, origin: float) -> torch.Tensor:
     """Rotary time of each latent frame: origin + 5/3 * (pixel frame it starts at)."""
     spans = torch.tensor([FRAME_RESCALE * FRAMES_PER_LATENT[i % 5] for i in range(num_latent_frames)],
                          dtype=torch.float64)
-    return origin + torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
+    return origin + torch.cat([torch.zeros(1, dtype=torch.float64), spans.cumsum(0)])[:num_latent_frames]
 
 
 def last_keyframe_time(num_latent_frames: int, origin: float) -> float:
@@ -159,13 +159,24 @@ class PackedLayout:
 
 
 def build_layout(text_tags: torch.Tensor, num_latent_frames: int, latent_height: int, latent_width: int,
-                 num_audio_latents: int, patch: tuple[int, int] = (2, 2),
-                 keyframes: tuple[str, ...] = ()) -> PackedLayout:
-    """The t2va / fl2va layout; `keyframes` lists the condition blocks in order, each "first" or "last"."""
+                 num_audio_latents: int, patch: tuple[int, int] = (2, 2), keyframes: tuple[str, ...] = (),
+                 media_origin: float | None = None, time_shift: float = 0.0, guide_frames: int = 0,
+                 guide_audio: int = 0) -> PackedLayout:
+    """The t2va / fl2va layout, and the extension layout.
+
+    `keyframes` lists fl2va condition blocks in order, each "first" or "last". For extension windows,
+    `guide_frames` latent frames and `guide_audio` audio latents of the previous window's tail are frozen
+    condition rows sitting at the times of the target's first frames / latents; all media times move by
+    `time_shift` rotary units (s * 40/24 for a window starting at pixel frame s) and start at `media_origin`
+    (the longest prompt of all windows, so prompt length never moves the clock; default: this text's length).
+    """
     rows_per_frame = (latent_height // patch[0]) * (latent_width // patch[1])
     L = text_tags.shape[0]
-    n_cond = len(keyframes) * rows_per_frame
-    n_audio = AUDIO_CHANNELS * num_audio_latents
+    origin = float(L) if media_origin is None else float(media_origin)
+    media = origin + time_shift
+    n_cond = (len(keyframes) + guide_frames) * rows_per_frame
+    n_guide_audio = AUDIO_CHANNELS * guide_audio
+    n_audio = n_guide_audio + AUDIO_CHANNELS * num_audio_latents
     n_video = num_latent_frames * rows_per_frame
     cond_start, audio_start = L, L + n_cond
     video_start = audio_start + n_audio
@@ -176,24 +187,19 @@ def build_layout(text_tags: torch.Tensor, num_latent_frames: int, latent_height:
     grid, wgrid = frame_grid(latent_height, latent_width, patch)
     for i, anchor in enumerate(keyframes):
         if anchor == "first":
-            t = float(L)
+            t = origin
         elif anchor == "last":
-            t = last_keyframe_time(num_latent_frames, float(L))
+            t = last_keyframe_time(num_latent_frames, origin)
         else:
             raise ValueError(f"keyframe anchor must be 'first' or 'last', got {anchor!r}")
         rows = slice(cond_start + i * rows_per_frame, cond_start + (i + 1) * rows_per_frame)
         pos[rows, 0] = t
         pos[rows, 1:] = grid
-
-    audio_t = float(L) + torch.arange(num_audio_latents, dtype=torch.float64)
-    pos[audio_start:video_start, 0] = audio_t.repeat(AUDIO_CHANNELS)
-    pos[audio_start:audio_start + num_audio_latents, 2] = float(wgrid[0])
-    pos[audio_start + num_audio_latents:video_start, 2] = float(wgrid[-1])
-
-    video_pos = torch.empty(num_latent_frames, rows_per_frame, 3, dtype=torch.float64)
-    video_pos[:, :, 0] = frame_times(num_latent_frames, float(L))[:, None]
-    video_pos[:, :, 1:] = grid[None]
-    pos[video_start:] = video_pos.reshape(-1, 3)
+    guide_start = cond_start + len(keyframes) * rows_per_frame
+    pos[guide_start:audio_start] = _video_positions(frame_times(guide_frames, media), grid)
+    _fill_audio(pos[audio_start:audio_start + n_guide_audio], media, guide_audio, wgrid)
+    _fill_audio(pos[audio_start + n_guide_audio:video_start], media, num_audio_latents, wgrid)
+    pos[video_start:] = _video_positions(frame_times(num_latent_frames, media), grid)
 
     video_indices = torch.cat([torch.arange(cond_start, audio_start), torch.arange(video_start, S)])
     audio_indices = torch.arange(audio_start, video_start)
@@ -202,20 +208,42 @@ def build_layout(text_tags: torch.Tensor, num_latent_frames: int, latent_height:
     tags[text_indices] = text_tags.long()
     tags[audio_indices] = AUDIO_TAG
     tags[video_indices] = VIDEO_TAG
-    return PackedLayout(pos, tags, video_indices, audio_indices, text_indices, n_cond, 0,
+    return PackedLayout(pos, tags, video_indices, audio_indices, text_indices, n_cond, n_guide_audio,
                         num_latent_frames, latent_height, latent_width, num_audio_latents)
 
 
-def row_timesteps(layout: PackedLayout, t_video: float, t_audio: float,
-                  t_cond_video: float | None = None, t_cond_audio: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row timesteps reduced to (distinct sorted timesteps [M], index of each row [S])."""
+def _video_positions(times: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    pos = torch.empty(times.numel(), grid.shape[0], 3, dtype=torch.float64)
+    pos[:, :, 0] = times[:, None]
+    pos[:, :, 1:] = grid[None]
+    return pos.reshape(-1, 3)
+
+
+def _fill_audio(pos: torch.Tensor, start: float, num_latents: int, wgrid: torch.Tensor) -> None:
+    """Channel-major stereo rows: t = start + j, h = 0, w pinned to the grid's left / right column."""
+    pos[:, 0] = (start + torch.arange(num_latents, dtype=torch.float64)).repeat(AUDIO_CHANNELS)
+    pos[:num_latents, 2] = float(wgrid[0])
+    pos[num_latents:, 2] = float(wgrid[-1])
+
+
+def row_timesteps(layout: PackedLayout, t_video, t_audio, t_text: float | None = None,
+                  t_cond_video: float | None = None,
+                  t_cond_audio: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row timesteps reduced to (distinct sorted timesteps [M], index of each row [S]).
+
+    `t_video` / `t_audio` are one value for all generated rows or one per generated row (masked edits); text rows
+    take `t_text` (default: `t_video`), visual condition rows `max(t_text, 0.999)`, audio references `t_cond_audio`.
+    """
+    if t_text is None:
+        t_text = float(t_video)
     if t_cond_video is None:
-        t_cond_video = max(t_video, CONDITION_TIMESTEP)
-    t = torch.full((layout.seq_len,), t_video, dtype=torch.float32)
+        t_cond_video = max(t_text, CONDITION_TIMESTEP)
+    t = torch.full((layout.seq_len,), t_text, dtype=torch.float32)
     nv, na = layout.num_condition_video_rows, layout.num_condition_audio_rows
-    t[layout.video_indices[:nv]] = t_cond_video
-    t[layout.audio_indices[na:]] = t_audio
-    t[layout.audio_indices[:na]] = t_cond_audio
+    t[layout.video_indices[:nv].cpu()] = t_cond_video
+    t[layout.video_indices[nv:].cpu()] = torch.as_tensor(t_video, dtype=torch.float32).cpu()
+    t[layout.audio_indices[na:].cpu()] = torch.as_tensor(t_audio, dtype=torch.float32).cpu()
+    t[layout.audio_indices[:na].cpu()] = t_cond_audio
     return torch.unique(t, sorted=True, return_inverse=True)
 
 

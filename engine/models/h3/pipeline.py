@@ -7,6 +7,7 @@ request -> canvas/frames rules -> conditioner -> keyframe latents -> packed layo
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,14 +17,16 @@ import numpy as np
 import torch
 from PIL import Image
 
+from engine.cache.adaln import AdaLNCache
 from engine.models.h3 import layout as L
 from engine.models.h3.checkpoint import load_dit
 from engine.models.h3.conditioner import Conditioner, build_tiny_conditioner
 from engine.models.h3.config import TINY, H3Config
 from engine.models.h3.dit import H3DiT, build_dit
 from engine.models.h3.lora import load_lora, merge_lora, unmerge_lora
-from engine.models.h3.request import Cancelled, GenerateRequest, GenerateResult, StepEvent
-from engine.models.h3.schedule import AUDIO_SHIFT, VIDEO_SHIFT, euler_step, sigmas
+from engine.models.h3.denoise import Target, denoise
+from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, GenerateRequest, GenerateResult,
+                                      RefineRequest, StepEvent)
 from engine.models.h3.vae import AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae
 
 KEYFRAME_NOISE_AUG = L.CONDITION_TIMESTEP
@@ -80,6 +83,7 @@ class H3Pipeline:
                  canvas: Canvas, device: torch.device, name: str, lora_root: Path | None = None):
         self.dit, self.video_vae, self.audio_vae, self.conditioner = dit, video_vae, audio_vae, conditioner
         self.canvas, self.device, self.name, self.lora_root = canvas, device, name, lora_root
+        self.adaln_cache: AdaLNCache | None = AdaLNCache()  # None: every step computes its AdaLN tables
 
     @classmethod
     def from_preset(cls, preset: str = "tiny", device: str | torch.device = "cpu", seed: int = 0,
@@ -153,12 +157,8 @@ class H3Pipeline:
             keyframes.append("last")
             images.append(fit_cover(check_image("last frame", req.last_frame), height, width))
 
-        handles = [merge_lora(self.dit, load_lora(self.resolve_lora(path), self.dit), scale) for path, scale in req.loras]
-        try:
+        with self.loras(req.loras):
             return self._generate(req, frames, height, width, steps, notes, keyframes, images, on_step)
-        finally:
-            for handle in reversed(handles):
-                unmerge_lora(self.dit, handle)
 
     def resolve_lora(self, path: str) -> Path:
         """LoRA files are confined to the LoRA root (the models directory) when one is configured."""
@@ -173,55 +173,103 @@ class H3Pipeline:
             raise L.LayoutError(f"LoRA file {path!r} not found.")
         return p
 
+    # ---- shared stages ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def loras(self, specs: list[tuple[str, float]]):
+        """Merge the request's LoRAs for the duration of one task; the weights are restored after."""
+        handles = []
+        try:
+            for path, scale in specs:
+                handles.append(merge_lora(self.dit, load_lora(self.resolve_lora(path), self.dit), float(scale)))
+            yield
+        finally:
+            for handle in reversed(handles):
+                unmerge_lora(self.dit, handle)
+
+    def encode_prompt(self, prompt: str, images=()) -> tuple[torch.Tensor, torch.Tensor]:
+        text, tags = self.conditioner.encode(prompt, list(images))
+        return text.to(self.device), tags.cpu()
+
+    def run_denoise(self, layout: L.PackedLayout, text: torch.Tensor, video: Target, audio: Target, steps: int,
+                    on_step, geometry: tuple[int, int, int], stage: str = "denoising", start: int = 0,
+                    cond_video=None, cond_audio=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The DiT loop with step events (clean estimate as latents) and the AdaLN cache."""
+        T, h, w = geometry
+        patch = self.dit.config.patch_size
+        report = None
+        if on_step is not None:
+            def report(step, total, x0_rows):
+                on_step(StepEvent(step, total, L.unpatchify(x0_rows, T, h, w, patch), stage))
+        schedule = self.adaln_cache.schedule(self.dit) if self.adaln_cache else None
+        out = denoise(self.dit, layout.to(self.device), text, video, audio, steps, cond_video, cond_audio, report,
+                      schedule, start)
+        if schedule:
+            schedule.finish()
+        return out
+
+    def noise(self, gen: torch.Generator, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(self.device)
+
+    def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor,
+               frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pixels = self.video_vae.decode(video_latents)[:frames]
+        waveform = self.audio_vae.decode(audio_latents)
+        return pixels.cpu(), waveform[:, : round(frames / L.FPS * self.audio_vae.sample_rate)].float().cpu()
+
     def _generate(self, req, frames, height, width, steps, notes, keyframes, images, on_step) -> GenerateResult:
         timings, t0 = {}, time.perf_counter()
-        dev, cfg = self.device, self.dit.config
-        text, text_tags = self.conditioner.encode(req.prompt, images)
+        cfg = self.dit.config
+        text, text_tags = self.encode_prompt(req.prompt, images)
         timings["conditioner_s"] = time.perf_counter() - t0
 
         T, h, w = L.latent_frames(frames), height // L.VAE_SPATIAL, width // L.VAE_SPATIAL
         Ta = L.audio_latents(frames)
-        layout = L.build_layout(text_tags.cpu(), T, h, w, Ta, cfg.patch_size[1:], tuple(keyframes)).to(dev)
+        layout = L.build_layout(text_tags, T, h, w, Ta, cfg.patch_size[1:], tuple(keyframes))
 
+        # Draw order as the reference: each keyframe's noise, then video noise, then audio noise in row layout.
         gen = torch.Generator("cpu").manual_seed(int(req.seed))
         cond_rows = []
         for image in images:
-            clean = self.video_vae.encode_image(torch.from_numpy(image.copy()).to(dev))
-            noise = torch.randn(clean.shape, generator=gen, dtype=torch.float32).to(dev)
-            cond_rows.append(L.patchify(KEYFRAME_NOISE_AUG * clean.float() + (1 - KEYFRAME_NOISE_AUG) * noise))
-        video = L.patchify(torch.randn(1, cfg.in_channels, T, h, w, generator=gen, dtype=torch.float32)).to(dev)
-        audio = torch.randn(1, L.AUDIO_CHANNELS * Ta, cfg.audio_in_channels, generator=gen).to(dev)
-        cond = torch.cat(cond_rows, dim=1) if cond_rows else video[:, :0]
+            clean = self.video_vae.encode_image(torch.from_numpy(image.copy()).to(self.device)).float()
+            noise = self.noise(gen, *clean.shape)
+            cond_rows.append(L.patchify(KEYFRAME_NOISE_AUG * clean + (1 - KEYFRAME_NOISE_AUG) * noise))
+        video = Target(L.patchify(self.noise(gen, 1, cfg.in_channels, T, h, w)))
+        audio = Target(self.noise(gen, 1, L.AUDIO_CHANNELS * Ta, cfg.audio_in_channels))
         timings["encode_s"] = time.perf_counter() - t0 - timings["conditioner_s"]
 
-        sig_v, sig_a = sigmas(steps, VIDEO_SHIFT), sigmas(steps, AUDIO_SHIFT)
-        total = min(len(sig_v), len(sig_a)) - 1
-        text = text.to(dev)
         t_loop = time.perf_counter()
-        for i in range(total):
-            t_v, t_a = float(1 - sig_v[i]), float(1 - sig_a[i])
-            timestep, idx = L.row_timesteps(layout, t_v, t_a)
-            v_out, a_out = self.dit(torch.cat([cond, video], dim=1), audio, text, timestep.to(dev), idx.to(dev),
-                                    layout.token_tags, layout.position_ids, layout.video_indices,
-                                    layout.audio_indices, layout.text_indices)
-            v_out = v_out[:, cond.shape[1]:]
-            if on_step is not None:
-                x0 = video.float() + (1 - torch.tensor(t_v)) * v_out.float()
-                on_step(StepEvent(i + 1, total, L.unpatchify(x0, T, h, w, cfg.patch_size)))
-            video = euler_step(video, v_out, t_v, float(sig_v[i]), float(sig_v[i + 1]))
-            audio = euler_step(audio, a_out, t_a, float(sig_a[i]), float(sig_a[i + 1]))
+        video_rows, audio_rows = self.run_denoise(layout, text, video, audio, steps, on_step, (T, h, w),
+                                                  cond_video=torch.cat(cond_rows, dim=1) if cond_rows else None)
         timings["denoise_s"] = time.perf_counter() - t_loop
 
         t_dec = time.perf_counter()
-        video_latents = L.unpatchify(video, T, h, w, cfg.patch_size)
-        audio_latents = L.unpack_audio(audio)[0]
-        pixels = self.video_vae.decode(video_latents)[:frames]
-        waveform = self.audio_vae.decode(audio_latents)
-        waveform = waveform[:, : round(frames / L.FPS * self.audio_vae.sample_rate)]
+        video_latents = L.unpatchify(video_rows, T, h, w, cfg.patch_size)
+        audio_latents = L.unpack_audio(audio_rows)[0]
+        pixels, waveform = self.decode(video_latents, audio_latents, frames)
         timings["decode_s"] = time.perf_counter() - t_dec
         timings["total_s"] = time.perf_counter() - t0
-        return GenerateResult(pixels.cpu(), waveform.float().cpu(), self.audio_vae.sample_rate, L.FPS,
+        return GenerateResult(pixels, waveform, self.audio_vae.sample_rate, L.FPS,
                               video_latents.cpu(), audio_latents.cpu(), notes, timings)
 
+    # ---- other tasks ---------------------------------------------------------------------------------------------
+    def edit(self, req: EditRequest, on_step=None) -> GenerateResult:
+        from engine.models.h3.edit import run_edit
 
-__all__ = ["H3Pipeline", "GenerateRequest", "GenerateResult", "StepEvent", "Cancelled"]
+        with torch.no_grad(), self.loras(req.loras):
+            return run_edit(self, req, on_step)
+
+    def extend(self, req: ExtendRequest, on_step=None) -> GenerateResult:
+        from engine.models.h3.extend import run_extend
+
+        with torch.no_grad(), self.loras(req.loras):
+            return run_extend(self, req, on_step)
+
+    def refine(self, req: RefineRequest, on_step=None) -> GenerateResult:
+        from engine.models.h3.refine import run_refine
+
+        with torch.no_grad(), self.loras(req.loras):
+            return run_refine(self, req, on_step)
+
+
+__all__ = ["H3Pipeline", "GenerateRequest", "EditRequest", "ExtendRequest", "RefineRequest", "GenerateResult",
+           "StepEvent", "Cancelled"]

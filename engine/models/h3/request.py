@@ -9,11 +9,13 @@ import torch
 
 
 class Cancelled(Exception):
-    """Raised out of `H3Pipeline.generate` when the step callback asks to stop."""
+    """Raised out of a pipeline task when the step callback asks to stop."""
 
 
 @dataclass
 class GenerateRequest:
+    """t2va, or fl2va when a first and/or last frame is given."""
+
     prompt: str
     seconds: float = 5.0
     width: int | None = None  # both or neither; default: the preset's canvas for `aspect`
@@ -27,10 +29,72 @@ class GenerateRequest:
 
 
 @dataclass
+class Source:
+    """A clip to edit, extend or refine: pixels at `fps`, optional sound, optional latents of a previous job."""
+
+    frames: np.ndarray | torch.Tensor  # uint8 [F, H, W, 3]
+    fps: float = 24.0
+    audio: np.ndarray | torch.Tensor | None = None  # float32 [C, S]
+    sample_rate: int = 32000
+    video_latents: torch.Tensor | None = None  # normalised [1, 24, T, h, w], when it came from our store
+    audio_latents: torch.Tensor | None = None  # normalised [2, 32, Ta]
+
+
+EDIT_PRESETS = {  # preset -> (default strength, default prompt when none is given)
+    "remove": (1.0, "the empty scene behind, clean background, nothing in the masked area"),
+    "replace": (1.0, None),
+    "repaint": (0.75, None),
+}
+
+
+@dataclass
+class EditRequest:
+    """Masked edit: 0 keeps the source, 1 regenerates it, fractions blend (scaled by `strength`)."""
+
+    source: Source
+    mask: np.ndarray | torch.Tensor  # [H, W] or [F, H, W] in [0, 1], at the source's or the canvas' size
+    prompt: str = ""
+    preset: str = "replace"  # remove | replace | repaint
+    strength: float | None = None  # default from the preset
+    audio_mask: float | np.ndarray | torch.Tensor | None = None  # default: keep the source's sound, if any
+    steps: int | None = None
+    seed: int = 0
+    loras: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class ExtendRequest:
+    """Continue a clip past one window: each window regenerates `overlap` latent frames of the previous tail."""
+
+    source: Source
+    seconds: float  # seconds to add
+    prompts: list[str] = field(default_factory=list)  # one per window; the last one repeats
+    overlap_latents: int = 7  # 7 latent frames = 22 pixel frames
+    window_seconds: float = 15.0
+    steps: int | None = None
+    seed: int = 0
+    loras: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class RefineRequest:
+    """Latent upscale x1.5 / x2, re-noise to `strength`, second H3 pass at the larger canvas."""
+
+    source: Source
+    prompt: str
+    scale: float = 2.0
+    strength: float = 0.5
+    steps: int | None = None
+    seed: int = 0
+    loras: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
 class StepEvent:
     step: int  # 1-based DiT evaluations done
     total: int
     video_x0: torch.Tensor  # current clean estimate, normalised latents [1, 24, T, h, w] (for previews)
+    stage: str = "denoising"  # or e.g. "window 2/4"
 
 
 @dataclass

@@ -20,10 +20,13 @@ def sigmas(num_points: int, shift: float) -> torch.Tensor:
     return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
 
 
+def euler_blend(x: torch.Tensor, x0: torch.Tensor, sigma: float, sigma_next: float) -> torch.Tensor:
+    """Euler (eta 0) as the blend x_next = r*x + (1-r)*x0, r = sigma_next / sigma, in fp32."""
+    ratio = (torch.tensor(sigma_next, dtype=torch.float32) / torch.tensor(sigma, dtype=torch.float32)).to(x.device)
+    return (ratio * x.float() + (1.0 - ratio) * x0.float()).to(x.dtype)
+
+
 def euler_step(x: torch.Tensor, v: torch.Tensor, t: float, sigma: float, sigma_next: float) -> torch.Tensor:
-    """One Euler (eta 0) step in fp32: x0 = x + (1 - t) v with sigma taken from the fp32 timestep itself."""
-    t32 = torch.tensor(t, dtype=torch.float32)
-    x0 = x.float() + (1 - t32).to(x.device) * v.float()
-    ratio = torch.tensor(sigma_next, dtype=torch.float32) / torch.tensor(sigma, dtype=torch.float32)
-    ratio = ratio.to(x.device)
-    return (ratio * x.float() + (1.0 - ratio) * x0).to(x.dtype)
+    """One Euler step from the velocity: x0 = x + (1 - t) v with sigma taken from the fp32 timestep itself."""
+    x0 = x.float() + (1 - torch.tensor(t, dtype=torch.float32)).to(x.device) * v.float()
+    return euler_blend(x, x0, sigma, sigma_next)

@@ -1,0 +1,180 @@
+"""Video extension past one window (specs/h3.md §2.4, notes/peers.md §3c).
+
+Each new window starts `overlap` latent frames before the current end. The previous tail's latents (video,
+noised once to the condition level) and its audio latents (clean, cut at 40 Hz boundaries) become frozen
+condition rows at the times of the window's first latents; all media rows of the window sit on the global clock,
+shifted by s * 40/24 rotary units (s = the window's first pixel frame, fraction kept), after the longest prompt.
+The overlap is regenerated, then dropped. Windows are decoded one at a time with one VAE chunk of context, so
+memory per window is bounded and the source's own frames come back untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.models.h3 import layout as L
+from engine.models.h3.denoise import Target
+from engine.models.h3.request import ExtendRequest, GenerateResult, StepEvent
+from engine.models.h3.source import audio_latents, prepare_clip
+
+AUDIO_PER_FRAME = L.AUDIO_LATENTS_PER_SECOND / L.FPS  # 5/3 audio latents per pixel frame
+CONTEXT_CHUNKS = 1  # VAE chunks (17 frames / 5 latents) decoded before a window's new frames
+AUDIO_CONTEXT = 40  # audio latents decoded before a window's new sound
+
+
+@dataclass(frozen=True)
+class Window:
+    start: int  # first pixel frame on the global timeline (where the overlap begins)
+    frames: int  # pixel frames generated, 17n + 5, overlap included
+    audio_start: int  # first audio latent on the global timeline
+    audio_latents: int
+
+    @property
+    def time_shift(self) -> float:
+        return self.start * L.AUDIO_LATENTS_PER_SECOND / L.FPS
+
+
+def plan_windows(source_frames: int, add_frames: int, overlap_latents: int, window_frames: int) -> list[Window]:
+    """Windows that add at least `add_frames` after a 17n + 5 source, each at most `window_frames` long."""
+    overlap = L.FRAMES_PER_LATENT[0] + sum(L.FRAMES_PER_LATENT[k % 5] for k in range(1, overlap_latents))
+    longest = window_frames - (window_frames - 5) % 17
+    if longest - overlap < 17:
+        raise L.LayoutError(f"Windows of {window_frames} frames leave no room after a {overlap}-frame overlap.")
+    windows, end = [], source_frames
+    while end < source_frames + add_frames:
+        need = source_frames + add_frames - end
+        frames = min(longest, L.align_num_frames(need + overlap))
+        start = end - overlap
+        a0 = round(start * AUDIO_PER_FRAME)
+        windows.append(Window(start, frames, a0, round((start + frames) * AUDIO_PER_FRAME) - a0))
+        end = start + frames
+    return windows
+
+
+def window_layout(tags: torch.Tensor, window: Window, overlap_latents: int, guide_audio: int, h: int, w: int,
+                  media_origin: float) -> L.PackedLayout:
+    return L.build_layout(tags, L.latent_frames(window.frames), h, w, window.audio_latents,
+                          media_origin=media_origin, time_shift=window.time_shift, guide_frames=overlap_latents,
+                          guide_audio=guide_audio)
+
+
+def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
+    t0 = time.perf_counter()
+    ov = int(req.overlap_latents)
+    if ov < 2 or ov % 5 != 2:
+        raise L.LayoutError(f"The overlap must be 5k + 2 latent frames (2, 7, 12, ...: 5, 22, 39 pixel frames) so "
+                            f"windows line up with the video VAE's chunks, got {ov}.")
+    prompts = [p.strip() for p in req.prompts if p and p.strip()]
+    if not prompts:
+        raise L.LayoutError("Extending needs a prompt describing what happens next (one per window allowed).")
+    if not 0 < req.seconds <= 600:
+        raise L.LayoutError(f"Seconds to add must be above 0 and at most 600, got {req.seconds}.")
+    window_frames = L.align_num_frames(int(round(min(req.window_seconds, L.MAX_SECONDS) * L.FPS)))  # 15 s: 362
+    steps = pipe.canvas.default_steps if req.steps is None else int(req.steps)
+    cfg = pipe.dit.config
+
+    clip = prepare_clip(req.source, pipe.canvas.short_edge, pipe.canvas.max_pixels)
+    F_src, height, width = clip.frames.shape[0], clip.height, clip.width
+    h, w = height // L.VAE_SPATIAL, width // L.VAE_SPATIAL
+    notes = list(clip.notes)
+    F0 = F_src - (F_src - 5) % 17 if F_src >= 22 else 0
+    if F0 < 22 or L.latent_frames(F0) < ov:
+        raise L.LayoutError(f"The source is too short to extend ({F_src} frames); it needs at least "
+                            f"{max(22, ov // 5 * 17 + 5)} frames at 24 fps.")
+    if F0 != F_src:
+        notes.append(f"the source's last {F_src - F0} frames were regenerated so windows line up with the "
+                     f"video VAE's 17-frame chunks")
+    latents = req.source.video_latents
+    if latents is None or tuple(latents.shape[-3:]) != (L.latent_frames(F0), h, w):
+        latents = pipe.video_vae.encode_frames(clip.frames[:F0].to(pipe.device))
+    latents = latents.float().cpu()
+    Ta0 = round(F0 * AUDIO_PER_FRAME)
+    audio, have = audio_latents(pipe, req.source, Ta0)
+    guide_sound = have > 0  # a silent source gives its first window no sound to continue
+    audio = (audio if audio is not None else torch.zeros(2, cfg.audio_in_channels, Ta0)).cpu()
+
+    windows = plan_windows(F0, int(round(req.seconds * L.FPS)), ov, window_frames)
+    encoded = [pipe.encode_prompt(prompts[min(k, len(prompts) - 1)]) for k in range(len(windows))]
+    media_origin = max(tags.numel() for _, tags in encoded)
+
+    # The result is allocated once: growing it by concatenation would hold two copies at the end.
+    total_frames = windows[-1].start + windows[-1].frames
+    sr = pipe.audio_vae.sample_rate
+    out_frames = torch.empty(total_frames, height, width, 3, dtype=torch.uint8)
+    out_frames[:F0] = clip.frames[:F0]
+    out_audio = torch.zeros(2, round(total_frames / L.FPS * sr))
+    src_wave = None if req.source.audio is None else torch.as_tensor(req.source.audio).float()
+    emitted = round(F0 / L.FPS * sr)
+    out_audio[:, :emitted] = _source_sound(src_wave, req.source.sample_rate, sr, emitted)
+    gen = torch.Generator("cpu").manual_seed(int(req.seed))
+    for k, window in enumerate(windows):
+        text, tags = encoded[k]
+        T_w = L.latent_frames(window.frames)
+        guide_audio = audio.shape[-1] - window.audio_start if guide_sound else 0
+        layout = window_layout(tags, window, ov, guide_audio, h, w, media_origin)
+        tail = latents[:, :, -ov:].to(pipe.device)
+        guide_noise = pipe.noise(gen, *tail.shape)
+        cond_video = L.patchify(L.CONDITION_TIMESTEP * tail + (1 - L.CONDITION_TIMESTEP) * guide_noise)
+        cond_audio = L.pack_audio(audio[None, :, :, window.audio_start:].to(pipe.device)) if guide_audio else None
+        video = Target(L.patchify(pipe.noise(gen, 1, cfg.in_channels, T_w, h, w)))
+        sound = Target(pipe.noise(gen, 1, L.AUDIO_CHANNELS * window.audio_latents, cfg.audio_in_channels))
+
+        def report(event, k=k):
+            if on_step is not None:
+                on_step(StepEvent(event.step, event.total, event.video_x0, f"window {k + 1}/{len(windows)}"))
+
+        video_rows, audio_rows = pipe.run_denoise(layout, text, video, sound, steps, report, (T_w, h, w),
+                                                  cond_video=cond_video, cond_audio=cond_audio)
+        new_latents = L.unpatchify(video_rows, T_w, h, w, cfg.patch_size)[:, :, ov:].cpu()
+        new_audio = L.unpack_audio(audio_rows)[0][:, :, audio.shape[-1] - window.audio_start:].cpu()
+        F_prev, Ta_prev = _frames_of(latents.shape[2]), audio.shape[-1]
+        latents = torch.cat([latents, new_latents], dim=2)
+        audio = torch.cat([audio, new_audio], dim=2)
+        guide_sound = True
+        new_frames = _decode_new_frames(pipe, latents, F_prev)
+        out_frames[F_prev:F_prev + new_frames.shape[0]] = new_frames
+        sound = _decode_new_sound(pipe, audio, Ta_prev, emitted)[:, : out_audio.shape[1] - emitted]
+        out_audio[:, emitted:emitted + sound.shape[1]] = sound
+        emitted += sound.shape[1]
+
+    notes.append(f"{len(windows)} window(s); {(total_frames - F0) / L.FPS:.2f} s added "
+                 f"({total_frames} frames, {total_frames / L.FPS:.2f} s in all)")
+    return GenerateResult(out_frames, out_audio, sr, L.FPS, latents, audio, notes,
+                          {"total_s": time.perf_counter() - t0, "windows": float(len(windows))})
+
+
+def _frames_of(num_latents: int) -> int:
+    return (num_latents - 2) // 5 * 17 + 5
+
+
+def _decode_new_frames(pipe, latents: torch.Tensor, first_new: int) -> torch.Tensor:
+    """Decode the frames from `first_new` on, starting at a VAE chunk boundary one chunk earlier for context."""
+    chunk = max(0, (first_new - 5) // 17 - CONTEXT_CHUNKS)
+    pixels = pipe.video_vae.decode(latents[:, :, 5 * chunk:].to(pipe.device))
+    return pixels[first_new - 17 * chunk:].cpu()
+
+
+def _decode_new_sound(pipe, audio: torch.Tensor, first_new: int, emitted: int) -> torch.Tensor:
+    """Samples from `emitted` on, decoded from the latents with `AUDIO_CONTEXT` latents of context."""
+    start = max(0, first_new - AUDIO_CONTEXT)
+    wave = pipe.audio_vae.decode(audio[:, :, start:].to(pipe.device)).float().cpu()
+    return wave[:, emitted - start * pipe.audio_vae.hop:]
+
+
+def _source_sound(wave: torch.Tensor | None, rate: int, target_rate: int, samples: int) -> torch.Tensor:
+    """The source's own sound for its kept part (silence where it has none), at the model's rate."""
+    out = torch.zeros(2, samples)
+    if wave is None:
+        return out
+    wave = wave[None] if wave.ndim == 1 else wave
+    if rate != target_rate:
+        from engine.models.h3.vae import resample
+
+        wave = resample(wave, rate, target_rate)
+    wave = wave.expand(2, -1) if wave.shape[0] == 1 else wave[:2]
+    n = min(samples, wave.shape[1])
+    out[:, :n] = wave[:, :n]
+    return out

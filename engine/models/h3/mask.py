@@ -1,0 +1,90 @@
+"""Edit masks: from what an artist paints (0 keep, 1 regenerate, fractions blend) to what the DiT sees.
+
+A pixel mask [F, H, W] (or [H, W], broadcast over time) on the canvas reduces to the latent *cell* grid
+[T, H/16, W/16] by taking the max over each 16x16 pixel block and over the pixel frames each latent frame folds
+(1, 4, 4, 4, 4 per 17-frame chunk): any regenerated pixel regenerates its latent. The *token* mask is the max
+over each 2x2 patch of cells, quantised up to 1/256 so a request has at most 257 distinct AdaLN rows. The cell
+mask, expanded to the packed row features, decides what is restored from the source after every step.
+Mask Preview overlays exactly `cell_mask`, so what the artist sees is what the engine uses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.h3 import layout as L
+
+LEVELS = 256
+
+
+class MaskError(ValueError):
+    """A mask that cannot be used; the message is written for an artist."""
+
+
+def latent_frame_spans(num_frames: int) -> list[tuple[int, int]]:
+    """[start, stop) pixel frames folded into each latent frame of a 17n + 5 clip."""
+    spans, start = [], 0
+    for k in range(L.latent_frames(num_frames)):
+        stop = start + L.FRAMES_PER_LATENT[k % 5]
+        spans.append((start, stop))
+        start = stop
+    return spans
+
+
+def check_mask(mask: torch.Tensor, frames: int, name: str = "mask") -> torch.Tensor:
+    """Validate and bring a mask to [F, H, W] float32 (F = frames); 2-D and single-frame masks broadcast."""
+    mask = torch.as_tensor(mask)
+    if mask.ndim == 2:
+        mask = mask[None]
+    if mask.ndim != 3:
+        raise MaskError(f"The {name} must be 2-D [H, W] or per frame [frames, H, W], got shape {list(mask.shape)}.")
+    mask = mask.float()
+    if not torch.isfinite(mask).all():
+        raise MaskError(f"The {name} contains NaN or infinite values.")
+    if mask.min() < 0 or mask.max() > 1:
+        raise MaskError(f"The {name} must hold values from 0 (keep) to 1 (regenerate), "
+                        f"got {mask.min().item():g} to {mask.max().item():g}.")
+    if mask.shape[0] == 1:
+        mask = mask.expand(frames, -1, -1)
+    elif mask.shape[0] < frames:  # a clip padded up to 17n + 5 repeats its last frame; so does its mask
+        mask = torch.cat([mask, mask[-1:].expand(frames - mask.shape[0], -1, -1)])
+    elif mask.shape[0] > frames:
+        raise MaskError(f"The {name} has {mask.shape[0]} frames but the video has {frames}.")
+    return mask
+
+
+def cell_mask(mask: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
+    """Pixel mask -> latent cell mask [T, height/16, width/16]."""
+    mask = check_mask(mask, frames)
+    if mask.shape[1:] != (height, width):  # a mask drawn at the source's own size: resample onto the canvas
+        shrink = mask.shape[1] >= height and mask.shape[2] >= width
+        mask = F.interpolate(mask[None], size=(height, width), mode="area" if shrink else "nearest-exact")[0]
+    s = L.VAE_SPATIAL
+    cells = F.max_pool2d(mask[:, None], kernel_size=s, stride=s)[:, 0]
+    return torch.stack([cells[a:b].amax(dim=0) for a, b in latent_frame_spans(frames)])
+
+
+def token_mask(cells: torch.Tensor) -> torch.Tensor:
+    """Cell mask [T, h, w] -> per-row model mask [T*(h/2)*(w/2)], max over 2x2, quantised up to 1/256."""
+    tokens = F.max_pool2d(cells[:, None], kernel_size=2, stride=2)[:, 0]
+    return (torch.ceil(tokens * LEVELS) / LEVELS).reshape(-1)
+
+
+def restore_rows(cells: torch.Tensor, channels: int = 24) -> torch.Tensor:
+    """Cell mask [T, h, w] -> restore weights in packed row layout [T*(h/2)*(w/2), channels*4]."""
+    T, h, w = cells.shape
+    return L.patchify(cells[None, None].expand(1, channels, T, h, w))[0]
+
+
+def audio_rows(mask: float | torch.Tensor, num_audio_latents: int) -> torch.Tensor:
+    """Audio mask: a scalar, [Ta] or [2, Ta] over the 40 Hz latents -> channel-major rows [2*Ta]."""
+    m = torch.as_tensor(mask, dtype=torch.float32)
+    if not torch.isfinite(m).all() or m.min() < 0 or m.max() > 1:
+        raise MaskError("The audio mask must hold values from 0 (keep the source sound) to 1 (regenerate).")
+    if m.ndim == 0:
+        m = m.expand(num_audio_latents)
+    if m.shape[-1] != num_audio_latents or m.ndim > 2 or (m.ndim == 2 and m.shape[0] != L.AUDIO_CHANNELS):
+        raise MaskError(f"The audio mask must be a number, [{num_audio_latents}] or [2, {num_audio_latents}] "
+                        f"(40 values a second), got shape {list(m.shape)}.")
+    return m.expand(L.AUDIO_CHANNELS, num_audio_latents).reshape(-1).contiguous()

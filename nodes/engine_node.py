@@ -1,0 +1,123 @@
+"""H3Forge Engine node (where the engine is, how to start it) and the connection helpers the other nodes share."""
+
+from __future__ import annotations
+
+import os
+
+from . import launcher
+from .client import EngineClient, EngineError, protocol
+
+ENGINE_TYPE = "H3FORGE_ENGINE"
+DEVICES = ["auto", "cpu", "cuda"]
+PRESETS = ["tiny"]
+
+# Error codes whose message is about what the artist asked for (fix the inputs), not about the engine.
+_INPUT_ERROR_CODES = {"invalid_request", "too_large"}
+
+_last_settings: dict | None = None
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def default_settings() -> dict:
+    """Engine settings when no H3Forge Engine node is connected: H3FORGE_URL, _TOKEN, _AUTO_LAUNCH, _MODELS."""
+    return {
+        "url": os.environ.get("H3FORGE_URL") or protocol.DEFAULT_URL,
+        "token": os.environ.get("H3FORGE_TOKEN", ""),
+        "auto_launch": _env_flag("H3FORGE_AUTO_LAUNCH", True),
+        "preset": "tiny",
+        "models_dir": os.environ.get("H3FORGE_MODELS", ""),
+        "device": "auto",
+        "gpus": 1,
+    }
+
+
+def client_for(settings: dict, connect_timeout: float = 5.0) -> EngineClient:
+    """A client with the node's token, else $H3FORGE_TOKEN, else the engine's token file on this machine
+    ($H3FORGE_TOKEN_FILE or ~/.h3forge/token; auto-launched engines write theirs there too)."""
+    token = settings.get("token") or os.environ.get("H3FORGE_TOKEN") or None
+    return EngineClient(settings["url"], token=token, connect_timeout=connect_timeout)
+
+
+async def connect(settings: dict | None) -> EngineClient:
+    """A client for the configured engine, starting the bundled one first when needed and allowed."""
+    global _last_settings
+    settings = settings or default_settings()
+    _last_settings = settings
+    await launcher.ensure_engine(settings)
+    return client_for(settings)
+
+
+def last_settings() -> dict:
+    """The engine the nodes talked to most recently (for the status route), else the defaults."""
+    return _last_settings or default_settings()
+
+
+def readable_error(error: EngineError, url: str) -> Exception:
+    """The exception ComfyUI shows for an engine error: the engine's message, written for an artist, and
+    the log tail when the bundled engine died under the job."""
+    kind = ValueError if error.code in _INPUT_ERROR_CODES else RuntimeError
+    report = launcher.exit_report(url)
+    return kind(f"H3Forge: {error.message}" + (f"\n{report}" if report else ""))
+
+
+class H3ForgeEngine:
+    DESCRIPTION = ("Where the H3Forge engine runs and how to start it. Connect to the generation nodes; "
+                   "without it they use ws://127.0.0.1:8190 (or the H3FORGE_URL / H3FORGE_TOKEN / "
+                   "H3FORGE_AUTO_LAUNCH / H3FORGE_MODELS environment variables) and start the bundled engine.")
+    CATEGORY = "H3Forge"
+    FUNCTION = "configure"
+    RETURN_TYPES = (ENGINE_TYPE,)
+    RETURN_NAMES = ("engine",)
+    OUTPUT_TOOLTIPS = ("Engine settings for the H3Forge generation nodes.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "url": ("STRING", {"default": protocol.DEFAULT_URL, "tooltip":
+                        "WebSocket address of the engine, ws://host:port. A remote GPU host works too "
+                        "(start it there with `python -m engine serve --host 0.0.0.0 ...`)."}),
+                "token": ("STRING", {"default": "", "tooltip":
+                          "Access token of the engine. Leave empty to use the token file the engine wrote "
+                          "on this machine (~/.h3forge/token, or $H3FORGE_TOKEN_FILE)."}),
+                "auto_launch": ("BOOLEAN", {"default": True, "tooltip":
+                                "If no engine answers at a local URL, start the bundled engine and keep "
+                                "it running for later prompts."}),
+                "preset": (PRESETS, {"default": "tiny", "tooltip":
+                           "Weights for an auto-launched engine when models_dir is empty: tiny = a "
+                           "small built-in model for trying the pack out (no downloads, fast on CPU)."}),
+                "models_dir": ("STRING", {"default": "", "tooltip":
+                               "Folder with the real MiniMax-H3 checkpoints for an auto-launched engine "
+                               "(overrides preset). LoRA paths are resolved inside it."}),
+                "device": (DEVICES, {"default": "auto", "tooltip":
+                           "Device of an auto-launched engine: auto picks CUDA when available."}),
+                "gpus": ("INT", {"default": 1, "min": 1, "max": 8, "tooltip":
+                         "Number of GPUs an auto-launched engine splits each job over."}),
+            }
+        }
+
+    def configure(self, url, token, auto_launch, preset, models_dir, device, gpus):
+        launcher.host_port(url.strip())  # rejects a malformed URL here, with the node highlighted
+        return ({"url": url.strip(), "token": token.strip(), "auto_launch": bool(auto_launch), "preset": preset,
+                 "models_dir": models_dir.strip(), "device": device, "gpus": int(gpus)},)
+
+
+async def status_route(request):
+    """GET /h3forge/status for the web extension: the engine's /v1/status, or why it cannot be reached."""
+    from aiohttp import web
+
+    settings = last_settings()
+    url = settings["url"]
+    reply = {"url": url, "auto_launch": bool(settings.get("auto_launch")),
+             "launched": launcher.launched(url) is not None}
+    try:
+        status = await client_for(settings, connect_timeout=2.0).status()
+    except EngineError as error:
+        return web.json_response({**reply, "connected": False, "error": error.message})
+    return web.json_response({**reply, "connected": True, "status": status})

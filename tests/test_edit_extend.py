@@ -1,0 +1,226 @@
+"""Masked edit, extension and latent refine on the `tiny` preset."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from engine.models.h3 import layout as L
+from engine.models.h3.extend import AUDIO_PER_FRAME, plan_windows, window_layout
+from engine.models.h3.mask import MaskError
+from engine.models.h3.pipeline import H3Pipeline
+from engine.models.h3.request import EditRequest, ExtendRequest, GenerateRequest, RefineRequest, Source
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return H3Pipeline.from_preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def clip(pipe):
+    """A generated 5 s clip (124 frames, 128x224) with sound; its latents as the store keeps them."""
+    return pipe.generate(GenerateRequest(prompt="a red ball on grass", steps=STEPS, seed=1))
+
+
+def stored(result):
+    return Source(result.frames, 24.0, result.audio, result.sample_rate, result.video_latents, result.audio_latents)
+
+
+def box_mask(frames=124):
+    m = torch.zeros(frames, 128, 224)
+    m[:, 40:90, 70:150] = 1.0
+    return m
+
+
+def test_edit_keeps_unmasked_latents_bit_identical_to_the_source_encoding(pipe, clip):
+    source = Source(clip.frames, 24.0, clip.audio, clip.sample_rate)  # pixels: the engine encodes them
+    result = pipe.edit(EditRequest(source, box_mask(), prompt="a blue cube", steps=STEPS))
+    encoded = pipe.video_vae.encode_frames(clip.frames)  # the source encoding, computed independently
+    keep = torch.zeros(37, 8, 14, dtype=torch.bool)
+    keep[:, :, :] = True
+    keep[:, 40 // 16:(90 + 15) // 16, 70 // 16:(150 + 15) // 16] = False
+    cells = result.video_latents[0].permute(1, 2, 3, 0)  # [T, h, w, C]
+    assert torch.equal(cells[keep], encoded[0].permute(1, 2, 3, 0)[keep])
+    assert not torch.equal(cells[~keep], encoded[0].permute(1, 2, 3, 0)[~keep])
+    assert result.frames.shape == clip.frames.shape
+    # The source's sound is kept (audio mask 0 by default): its latents come back unchanged.
+    assert torch.equal(result.audio_latents, pipe.audio_vae.encode(clip.audio, clip.sample_rate).cpu())
+
+
+def test_all_ones_mask_equals_plain_generation(pipe, clip):
+    silent = Source(clip.frames, 24.0, None, 32000, clip.video_latents)
+    edited = pipe.edit(EditRequest(silent, torch.ones(128, 224), prompt="a forest", steps=STEPS, seed=9))
+    plain = pipe.generate(GenerateRequest(prompt="a forest", width=224, height=128, steps=STEPS, seed=9))
+    assert torch.equal(edited.video_latents, plain.video_latents)
+    assert torch.equal(edited.audio_latents, plain.audio_latents)
+
+
+def test_fractional_mask_and_presets(pipe, clip):
+    half = pipe.edit(EditRequest(stored(clip), box_mask() * 0.5, preset="repaint", prompt="oil painting",
+                                 steps=STEPS))
+    full = pipe.edit(EditRequest(stored(clip), box_mask(), preset="repaint", prompt="oil painting", steps=STEPS))
+    d_half = (half.video_latents - clip.video_latents).abs().sum()
+    d_full = (full.video_latents - clip.video_latents).abs().sum()
+    assert 0 < d_half < d_full
+    removed = pipe.edit(EditRequest(stored(clip), box_mask(), preset="remove", steps=STEPS))  # prompt optional
+    assert removed.frames.shape == clip.frames.shape
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(mask=torch.zeros(128, 224)), MaskError, "mask is empty"),
+    (dict(mask=torch.full((128, 224), float("nan"))), MaskError, "NaN"),
+    (dict(mask=torch.ones(200, 128, 224)), MaskError, "200 frames but the video has 124"),
+    (dict(mask=torch.ones(128, 224), preset="erase"), L.LayoutError, "Unknown edit preset"),
+    (dict(mask=torch.ones(128, 224), prompt=""), L.LayoutError, "needs a prompt"),
+    (dict(mask=torch.ones(128, 224), strength=1.5), L.LayoutError, "strength"),
+])
+def test_bad_edit_requests(pipe, clip, kwargs, error, message):
+    req = EditRequest(stored(clip), **{"prompt": "x", "steps": STEPS, **kwargs})
+    with pytest.raises(error, match=message):
+        pipe.edit(req)
+
+
+def test_bad_edit_sources(pipe, clip):
+    with pytest.raises(L.LayoutError, match="5 to 15 s"):
+        pipe.edit(EditRequest(Source(clip.frames[:48]), torch.ones(128, 224), prompt="x", steps=STEPS))
+    with pytest.raises(L.LayoutError, match="uint8 frames"):
+        pipe.edit(EditRequest(Source(clip.frames.float()), torch.ones(128, 224), prompt="x", steps=STEPS))
+
+
+def test_extension_keeps_the_source_frames_and_grows_the_timeline(pipe, clip):
+    events = []
+    result = pipe.extend(ExtendRequest(stored(clip), seconds=8, prompts=["the ball rolls away"],
+                                       window_seconds=6, steps=STEPS), on_step=events.append)
+    windows = plan_windows(124, 8 * 24, 7, L.align_num_frames(6 * 24))
+    assert len(windows) == 2 and {e.stage for e in events} == {"window 1/2", "window 2/2"}
+    assert torch.equal(result.frames[:124], clip.frames)
+    F_total = result.frames.shape[0]
+    assert F_total == windows[-1].start + windows[-1].frames and (F_total - 5) % 17 == 0
+    assert result.video_latents.shape[2] == L.latent_frames(F_total)
+    assert torch.equal(result.video_latents[:, :, :37], clip.video_latents)
+    assert result.audio_latents.shape[-1] == round(F_total * 40 / 24)
+    assert result.audio.shape[-1] == round(F_total / 24 * 32000)
+    assert torch.equal(result.audio[:, :clip.audio.shape[1]], clip.audio)  # the source's own sound, untouched
+
+
+def test_audio_length_matches_the_frames_after_every_window(pipe, clip):
+    for seconds in (1, 4, 9):
+        r = pipe.extend(ExtendRequest(stored(clip), seconds=seconds, prompts=["on"], window_seconds=5,
+                                      steps=STEPS))
+        assert r.audio_latents.shape[-1] == round(r.frames.shape[0] * 40 / 24)
+    for w in plan_windows(124, 40 * 24, 7, 362):
+        assert w.audio_start + w.audio_latents == round((w.start + w.frames) * 5 / 3)
+
+
+def test_window_rope_times_are_window_zero_shifted_by_s_40_24():
+    tags = torch.ones(9, dtype=torch.long)
+    windows = plan_windows(124, 30 * 24, 7, L.align_num_frames(6 * 24))
+    first = window_layout(tags, windows[0], 7, 37, 8, 14, media_origin=12)
+    for window in windows[1:]:
+        lay = window_layout(tags, window, 7, 37, 8, 14, media_origin=12)
+        shift = window.time_shift - windows[0].time_shift
+        assert window.time_shift == window.start * 40 / 24
+        streams = [(lay.video_indices, first.video_indices)] + [  # audio: each channel on its own
+            (lay.audio_indices[lay.num_condition_audio_rows:].view(2, -1)[c],
+             first.audio_indices[first.num_condition_audio_rows:].view(2, -1)[c]) for c in range(2)]
+        for rows_k, rows_0 in streams:
+            t_k, t_0 = lay.position_ids[rows_k, 0], first.position_ids[rows_0, 0]
+            n = min(len(t_k), len(t_0))
+            assert torch.allclose(t_k[:n], t_0[:n] + shift, rtol=0, atol=1e-9)
+        assert torch.equal(lay.position_ids[:9], first.position_ids[:9])  # text stays put
+    assert any(w.time_shift != int(w.time_shift) for w in windows)  # fractional shifts are kept
+    # Guides sit exactly at the times of the target's first latents.
+    nv = first.num_condition_video_rows
+    guide_t = first.position_ids[first.video_indices[:nv], 0]
+    target_t = first.position_ids[first.video_indices[nv:2 * nv], 0]
+    assert torch.equal(guide_t, target_t)
+
+
+def test_reference_rows_never_change_during_denoising(pipe, clip):
+    seen = []
+
+    def capture(module, args, kwargs):
+        video_rows, audio_rows = args[0], args[1]
+        seen.append((video_rows[:, :7 * 28].clone(), audio_rows[:, :2 * 37].clone()))
+
+    handle = pipe.dit.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        pipe.extend(ExtendRequest(stored(clip), seconds=3, prompts=["on"], steps=6))
+    finally:
+        handle.remove()
+    assert len(seen) == 5
+    assert all(torch.equal(v, seen[0][0]) and torch.equal(a, seen[0][1]) for v, a in seen)
+    tail = clip.audio_latents[:, :, round(102 * 5 / 3):]
+    assert torch.equal(seen[0][1][0], L.pack_audio(tail[None])[0])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts=[]), "needs a prompt"),
+    (dict(overlap_latents=6), "5k \\+ 2"),
+    (dict(seconds=0), "above 0"),
+])
+def test_bad_extend_requests(pipe, clip, kwargs, message):
+    with pytest.raises(L.LayoutError, match=message):
+        pipe.extend(ExtendRequest(stored(clip), **{"seconds": 3, "prompts": ["x"], "steps": STEPS, **kwargs}))
+
+
+MEMORY_SCRIPT = r"""
+import json, resource, sys, threading, time, torch
+torch.set_num_threads(1)
+from engine.models.h3.pipeline import H3Pipeline
+from engine.models.h3.request import ExtendRequest, GenerateRequest, Source
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+pipe = H3Pipeline.from_preset("tiny")
+clip = pipe.generate(GenerateRequest(prompt="x", steps=3))
+src = Source(clip.frames, 24.0, clip.audio, 32000, clip.video_latents, clip.audio_latents)
+pipe.extend(ExtendRequest(src, seconds=4, prompts=["y"], window_seconds=5, steps=3))  # warm every code path
+base, peak, stop = rss(), [0], False
+def sample():
+    while not stop:
+        peak[0] = max(peak[0], rss()); time.sleep(0.002)
+thread = threading.Thread(target=sample); thread.start()
+out = pipe.extend(ExtendRequest(src, seconds=float(sys.argv[1]), prompts=["y"], window_seconds=5, steps=3))
+stop = True; thread.join()
+print(json.dumps({"delta": peak[0] - base, "result_bytes": out.frames.numel() + out.audio.numel() * 4,
+                  "frames": out.frames.shape[0]}))
+"""
+
+
+def test_memory_of_a_4_window_extension_is_within_10_percent_of_1_window():
+    def run(seconds):
+        # glibc keeps freed heap blocks mapped; with a low mmap threshold RSS follows what is really alive.
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        proc = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(seconds)], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    one, four = run(4), run(4 * 4.25)
+    assert (one["frames"], four["frames"]) == (124 + 102, 124 + 4 * 102)  # 1 and 4 windows of 124 frames
+    # Working memory (peak growth minus the result itself, which is the product) must not grow with windows.
+    work_one = one["delta"] - one["result_bytes"]
+    work_four = four["delta"] - four["result_bytes"]
+    print("extension working memory (bytes): 1 window", work_one, "4 windows", work_four)
+    assert work_four <= 1.1 * max(work_one, 0) + 8 * 2**20, (one, four)
+
+
+def test_latent_refine_upscales_and_keeps_the_sound(pipe, clip):
+    result = pipe.refine(RefineRequest(stored(clip), prompt="a red ball on grass", scale=2, strength=0.4,
+                                       steps=3))
+    assert result.frames.shape == (124, 256, 448, 3)
+    assert result.video_latents.shape == (1, 24, 37, 16, 28)
+    assert torch.equal(result.audio_latents, clip.audio_latents)
+    assert any("refine steps" in n for n in result.notes)
+    with pytest.raises(L.LayoutError, match="x1.5 or x2"):
+        pipe.refine(RefineRequest(stored(clip), prompt="x", scale=3))

@@ -1,0 +1,207 @@
+"""VSA (engine/kernels/vsa.py): cube tiling, top-k = all equals dense, padding, selection, DiT routing, gates."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.kernels import attention as attn
+from engine.kernels import vsa
+from engine.models.h3.config import TEXT_TAG, TINY, VIDEO_TAG
+from engine.models.h3.dit import build_dit
+from engine.models.h3.layout import build_layout, row_timesteps
+
+
+def make_layout(T=5, h=5, w=7, text=7, audio=3, keyframes=("first",)):
+    tags = torch.full((text,), TEXT_TAG)
+    tags[1:3] = VIDEO_TAG  # vision pads inside the text stream are still text rows
+    return build_layout(tags, T, 2 * h, 2 * w, audio, keyframes=keyframes)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def qkv(S, B=2, H=3, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, S, H, D, generator=g) for _ in range(3)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 9), h=st.integers(1, 9), w=st.integers(1, 9), text=st.integers(1, 70),
+       audio=st.integers(0, 40), keyframes=st.sampled_from([(), ("first",), ("first", "last")]))
+def test_tile_reorder_and_inverse_exact(T, h, w, text, audio, keyframes):
+    layout = make_layout(T, h, w, text, audio, keyframes)
+    plan = vsa.build_plan(layout)
+    S, P = layout.seq_len, plan.num_dense
+    assert plan.grid == (T, h, w) and P == S - T * h * w
+    assert plan.num_cubes == math.ceil(T / 4) * math.ceil(h / 4) * math.ceil(w / 4)
+    assert int(plan.cube_sizes.sum()) == T * h * w and int(plan.cube_sizes.min()) >= 1
+
+    x = torch.randn(2, S, 3)
+    tiled = plan.tile(x)
+    assert tiled.shape[1] == P + plan.num_cubes * 64
+    assert torch.equal(plan.untile(tiled), x)
+    video = tiled[:, P:].view(2, plan.num_cubes, 64, 3)
+    assert torch.equal(video[:, ~plan.cube_valid], torch.zeros_like(video[:, ~plan.cube_valid]))
+    assert plan.slot.unique().numel() == S
+
+    # Every cube holds one 4x4x4 neighbourhood of the (t, h, w) grid, real tokens first in (t, h, w) order.
+    t, r, c = torch.meshgrid(torch.arange(T), torch.arange(h), torch.arange(w), indexing="ij")
+    cube_of_row = (t // 4 * math.ceil(h / 4) + r // 4) * math.ceil(w / 4) + c // 4
+    assert torch.equal(plan.video_slot // 64, cube_of_row.flatten())
+    offsets = plan.video_slot % 64
+    for cube in range(plan.num_cubes):
+        rows = (plan.video_slot // 64 == cube).nonzero().flatten()
+        assert torch.equal(offsets[rows], torch.arange(rows.numel()))
+
+    # Prefix chunks never straddle text | condition | audio and hold at most 64 rows.
+    text_end = layout.num_text
+    cond_end = text_end + layout.num_condition_video_rows
+    for lo, hi in [(0, text_end), (text_end, cond_end), (cond_end, P)]:
+        if hi > lo:
+            assert int(plan.prefix_tile_sizes[plan.prefix_tile[lo:hi].unique()].sum()) == hi - lo
+    assert bool((plan.prefix_tile_sizes <= 64).all())
+
+@pytest.mark.parametrize("keyframes", [(), ("first", "last")])
+def test_topk_all_equals_dense(keyframes):
+    plan = vsa.build_plan(make_layout(keyframes=keyframes))
+    q, k, v = qkv(plan.seq_len)
+    out = vsa.vsa_attention(q, k, v, plan, topk=plan.num_cubes)
+    assert rel_err(out, attn.sdpa(q, k, v)) <= 1e-5
+
+
+def test_padded_tokens_get_no_weight():
+    plan = vsa.build_plan(make_layout(T=3, h=3, w=5))
+    assert not bool(plan.cube_valid.all())
+    q, k, v = qkv(plan.seq_len)
+    qv, kv, vv = (plan.tile_video(x) for x in (q, k, v))
+    P, C = plan.num_dense, plan.num_cubes
+    selected = torch.arange(C, dtype=torch.int32).expand(2, 3, C, C)
+    args = (k[:, :P], v[:, :P], selected, plan.cube_sizes)
+    clean = vsa.fine_reference(qv, kv, vv, *args)
+    pad = ~plan.cube_valid.flatten()
+    kv[:, pad], vv[:, pad] = 1e4, -1e4
+    assert torch.equal(vsa.fine_reference(qv, kv, vv, *args), clean)
+
+
+def test_sparse_selection_has_topk_cubes_and_differs_from_dense():
+    plan = vsa.build_plan(make_layout(T=9, h=6, w=7))
+    q, k, v = qkv(plan.seq_len)
+    C, topk = plan.num_cubes, 3
+    assert C == 12 and vsa.topk_for_sparsity(0.75, C) == topk
+
+    qv, kv = plan.tile_video(q), plan.tile_video(k)
+    scores = vsa.pool_cubes(qv, plan.cube_sizes) @ vsa.pool_cubes(kv, plan.cube_sizes).transpose(-1, -2)
+    selected = vsa.select_cubes(scores, topk)
+    assert selected.shape == (2, 3, C, topk)
+    assert all(row.unique().numel() == topk for row in selected.view(-1, topk))
+    expected = scores.argsort(dim=-1, descending=True)[..., :topk].sort(dim=-1).values
+    assert torch.equal(selected.long(), expected)
+
+    out = vsa.vsa_attention(q, k, v, plan, topk)
+    dense = attn.sdpa(q, k, v)
+    assert torch.allclose(out[:, :plan.num_dense], dense[:, :plan.num_dense], rtol=1e-5, atol=1e-6)
+    assert (out[:, plan.num_dense:] - dense[:, plan.num_dense:]).abs().max() > 1e-2
+
+
+def test_coarse_branch_formula():
+    """gate * coarse: pooled attention over the segment-pure prefix chunks and the cubes, for every row."""
+    layout = make_layout(T=3, h=2, w=5, text=5, audio=70)
+    plan = vsa.build_plan(layout)
+    q, k, v = qkv(plan.seq_len)
+    gate = torch.ones_like(q)
+    out = vsa.vsa_attention(q, k, v, plan, 1, gate) - vsa.vsa_attention(q, k, v, plan, 1)
+
+    text, cond, audio = range(5), range(5, 15), range(15, 155)
+    video = range(155, plan.seq_len)
+    groups = [text, cond, audio[:64], audio[64:128], audio[128:]]
+    cube_rows = [[155 + i for i in range(len(video)) if int(plan.video_slot[i]) // 64 == c] for c in range(2)]
+    tiles = [list(g) for g in groups] + cube_rows
+    assert sum(map(len, tiles)) == plan.seq_len and plan.prefix_tile_sizes.tolist() == [5, 10, 64, 64, 12]
+    pooled = [torch.stack([x[:, rows].mean(1) for rows in tiles], dim=1) for x in (q, k, v)]  # [B, tiles, H, D]
+    weights = torch.einsum("bihd,bjhd->bhij", pooled[0], pooled[1]).div(4.0).softmax(-1)
+    coarse = torch.einsum("bhij,bjhd->bihd", weights, pooled[2])
+    for i, rows in enumerate(tiles):
+        assert torch.allclose(out[:, rows], coarse[:, i:i + 1].expand_as(out[:, rows]), atol=1e-5)
+
+
+def test_zero_gate_equals_training_free():
+    plan = vsa.build_plan(make_layout())
+    q, k, v = qkv(plan.seq_len)
+    assert torch.equal(vsa.vsa_attention(q, k, v, plan, 2, torch.zeros_like(q)), vsa.vsa_attention(q, k, v, plan, 2))
+
+
+def dit_case():
+    model = build_dit(TINY, seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    layout = make_layout(T=5, h=3, w=6, text=6, audio=4)
+    g = torch.Generator().manual_seed(1)
+    video = torch.randn(1, layout.video_indices.numel(), TINY.video_patch_dim, generator=g)
+    audio = torch.randn(1, layout.audio_indices.numel(), TINY.audio_in_channels, generator=g)
+    text = torch.randn(1, layout.num_text, TINY.text_dim, generator=g)
+    timestep, idx = row_timesteps(layout, 0.3, 0.6)
+    args = (video, audio, text, timestep, idx, layout.token_tags, layout.position_ids, layout.video_indices,
+            layout.audio_indices, layout.text_indices)
+    return model, layout, args
+
+
+@torch.no_grad()
+def test_dit_under_vsa_all_cubes_equals_dense():
+    model, layout, args = dit_case()
+    plan = vsa.build_plan(layout)
+    dense = model(*args)
+    with vsa.active(plan, topk=plan.num_cubes):
+        full = model(*args)
+    with vsa.active(plan, topk=1):
+        sparse = model(*args)
+    assert attn._sparse is None
+    for ours, ref, sp in zip(full, dense, sparse):
+        assert rel_err(ours, ref) <= 1e-5
+        assert rel_err(sp, ref) > 1e-4  # the hook really routes the packed attention
+
+
+@torch.no_grad()
+def test_dit_trained_gates():
+    model, layout, args = dit_case()
+    plan = vsa.build_plan(layout)
+    inner = TINY.num_attention_heads * TINY.attention_head_dim
+    zeros = {f"blocks.{i}.attn.to_gate_compress.weight": torch.zeros(inner, TINY.hidden_size) for i in range(2)}
+    trained = {key: torch.randn(inner, TINY.hidden_size) * 0.1 for key in zeros}
+    with vsa.active(plan, topk=2):
+        free = model(*args)
+    with vsa.active(plan, topk=2, gates=vsa.block_gates(model, zeros)):
+        zero = model(*args)
+    gates = vsa.block_gates(model, trained)
+    assert set(gates) == {block.attn for block in model.blocks}
+    with vsa.active(plan, topk=2, gates=gates):
+        gated = model(*args)
+    assert all(not block.attn._forward_pre_hooks for block in model.blocks)
+    for f, z, g in zip(free, zero, gated):
+        assert torch.equal(f, z)
+        assert rel_err(g, f) > 1e-3
+
+
+def test_triton_kernel_matches_reference(monkeypatch):
+    """Runs the Triton kernel in the interpreter on CPU where triton is installed (else skipped)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from engine.kernels.vsa_triton import block_sparse_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    plan = vsa.build_plan(make_layout(T=5, h=5, w=6, text=9, audio=40)).to(device)
+    q, k, v = (x.to(device) for x in qkv(plan.seq_len, D=32))
+    qv, kv, vv = (plan.tile_video(x) for x in (q, k, v))
+    scores = vsa.pool_cubes(qv, plan.cube_sizes) @ vsa.pool_cubes(kv, plan.cube_sizes).transpose(-1, -2)
+    selected = vsa.select_cubes(scores, 3)
+    P = plan.num_dense
+    args = (qv, kv, vv, k[:, :P], v[:, :P], selected, plan.cube_sizes)
+    ref = vsa.fine_reference(*args)
+    real = plan.cube_valid.flatten()
+    tol = 1e-2 if device == "cuda" else 1e-5  # tf32 dots on the GPU
+    assert rel_err(block_sparse_attention(*args)[:, real], ref[:, real]) <= tol

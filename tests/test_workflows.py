@@ -1,0 +1,66 @@
+"""Every shipped workflow matches the pack's node definitions (types, widgets, links)."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from test_pack_import import load_pack
+from workflow_check import check_workflow, node_definitions
+
+WORKFLOWS = sorted((Path(__file__).resolve().parent.parent / "workflows").glob("*.json"))
+
+
+@pytest.fixture(scope="module")
+def defs():
+    return node_definitions(load_pack().NODE_CLASS_MAPPINGS)
+
+
+def test_workflows_are_shipped():
+    assert {p.name for p in WORKFLOWS} >= {"h3_text_to_video.json", "h3_first_last_frame.json"}
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_workflow_matches_node_definitions(path, defs):
+    workflow = json.loads(path.read_text())
+    assert check_workflow(workflow, defs) == []
+    assert any(node["type"].startswith("H3Forge") for node in workflow["nodes"])
+
+
+def test_first_last_frame_workflow_feeds_both_frames(defs):
+    workflow = json.loads((WORKFLOWS[0].parent / "h3_first_last_frame.json").read_text())
+    t2v = next(n for n in workflow["nodes"] if n["type"] == "H3ForgeTextToVideo")
+    linked = {slot["name"] for slot in t2v["inputs"] if slot["link"] is not None}
+    assert linked == {"first_frame", "last_frame"}
+
+
+def _broken(workflow, edit):
+    workflow = copy.deepcopy(workflow)
+    edit(workflow)
+    return workflow
+
+
+def test_checker_catches_mistakes(defs):
+    """The checker itself: each kind of mistake a hand-edited or outdated workflow can carry is reported."""
+    good = json.loads((WORKFLOWS[0].parent / "h3_text_to_video.json").read_text())
+    t2v = next(i for i, n in enumerate(good["nodes"]) if n["type"] == "H3ForgeTextToVideo")
+
+    def widgets(wf, values):
+        wf["nodes"][t2v]["widgets_values"] = values
+
+    mistakes = {
+        "unknown node type": lambda wf: wf["nodes"][0].update(type="H3ForgeNoSuchNode"),
+        "widget values, expected": lambda wf: widgets(wf, wf["nodes"][t2v]["widgets_values"][:-1]),
+        "above the maximum": lambda wf: wf["nodes"][t2v]["widgets_values"].__setitem__(1, 30.0),
+        "is not one of": lambda wf: wf["nodes"][t2v]["widgets_values"].__setitem__(2, "2:1"),
+        "step grid": lambda wf: wf["nodes"][t2v]["widgets_values"].__setitem__(3, 100),
+        "expected an integer": lambda wf: wf["nodes"][t2v]["widgets_values"].__setitem__(6, "7"),
+        "does not give": lambda wf: wf["links"][0].__setitem__(5, "IMAGE"),
+        "not connected": lambda wf: wf["nodes"][-1]["inputs"][0].update(link=None),
+        "no output node": lambda wf: wf.update(nodes=[n for n in wf["nodes"] if n["type"] != "H3ForgePreview"],
+                                              links=wf["links"][:1]),
+    }
+    for expected, edit in mistakes.items():
+        problems = check_workflow(_broken(good, edit), defs)
+        assert any(expected in p for p in problems), f"{expected!r} not reported: {problems}"
