@@ -120,3 +120,18 @@ def test_generate_cli_bad_input_is_one_clear_line(tmp_path):
     assert proc.returncode == 2
     assert "error: MiniMax-H3 generates 5 to 15 s per window" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_prompt_cache_skips_the_conditioner_for_repeated_prompts(pipe):
+    req = GenerateRequest(prompt="a lighthouse at dusk", steps=STEPS)
+    first = pipe.generate(req)
+    hits = pipe.prompt_cache.hits
+    conditioner, pipe.conditioner = pipe.conditioner, None  # offloaded: only cached prompts can run
+    try:
+        again = pipe.generate(req)
+        with pytest.raises(RuntimeError, match="not cached"):
+            pipe.generate(GenerateRequest(prompt="a different prompt", steps=STEPS))
+    finally:
+        pipe.conditioner = conditioner
+    assert pipe.prompt_cache.hits == hits + 1
+    assert torch.equal(first.video_latents, again.video_latents)

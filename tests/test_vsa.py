@@ -205,3 +205,16 @@ def test_triton_kernel_matches_reference(monkeypatch):
     real = plan.cube_valid.flatten()
     tol = 1e-2 if device == "cuda" else 1e-5  # tf32 dots on the GPU
     assert rel_err(block_sparse_attention(*args)[:, real], ref[:, real]) <= tol
+
+
+def test_pipeline_sparsity_zero_is_dense_and_sparse_differs():
+    from engine.models.h3.pipeline import GenerateRequest, H3Pipeline
+
+    pipe = H3Pipeline.from_preset("tiny")
+    req = GenerateRequest(prompt="a kite in the wind", steps=3)
+    dense = pipe.generate(req).video_latents
+    pipe.vsa_sparsity = 0.5
+    sparse = pipe.generate(req).video_latents
+    pipe.vsa_sparsity = 0.0
+    assert torch.equal(pipe.generate(req).video_latents, dense)
+    assert not torch.equal(sparse, dense)

@@ -259,8 +259,13 @@ class H3DiT(nn.Module):
 def build_dit(config: H3Config, seed: int | None = 0, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> H3DiT:
     """A DiT with weights drawn from `seed` (the `tiny` preset and random-weight benchmarks)."""
-    with torch.device(device):
-        if seed is not None:
-            torch.manual_seed(seed)
-        model = H3DiT(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the target dtype: the full model in fp32 would need 132 GB first
+    try:
+        with torch.device(device):
+            if seed is not None:
+                torch.manual_seed(seed)
+            model = H3DiT(config)
+    finally:
+        torch.set_default_dtype(previous)
     return model.set_dtype(dtype).eval().requires_grad_(False)

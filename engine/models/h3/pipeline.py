@@ -18,6 +18,8 @@ import torch
 from PIL import Image
 
 from engine.cache.adaln import AdaLNCache
+from engine.cache.prompt import PromptCache, prompt_key
+from engine.kernels import vsa
 from engine.models.h3 import layout as L
 from engine.models.h3.checkpoint import load_dit
 from engine.models.h3.conditioner import Conditioner, build_tiny_conditioner
@@ -84,6 +86,9 @@ class H3Pipeline:
         self.dit, self.video_vae, self.audio_vae, self.conditioner = dit, video_vae, audio_vae, conditioner
         self.canvas, self.device, self.name, self.lora_root = canvas, device, name, lora_root
         self.adaln_cache: AdaLNCache | None = AdaLNCache()  # None: every step computes its AdaLN tables
+        self.prompt_cache = PromptCache()
+        self.vsa_sparsity = 0.0  # fraction of video cubes each video query cube skips (0.875 = top 1/8)
+        self.vsa_gates = None  # trained `to_gate_compress` weights per attention module (FastH3 VSA checkpoints)
 
     @classmethod
     def from_preset(cls, preset: str = "tiny", device: str | torch.device = "cpu", seed: int = 0,
@@ -187,7 +192,16 @@ class H3Pipeline:
                 unmerge_lora(self.dit, handle)
 
     def encode_prompt(self, prompt: str, images=()) -> tuple[torch.Tensor, torch.Tensor]:
-        text, tags = self.conditioner.encode(prompt, list(images))
+        """Conditioner hidden states [1, Nt, text_dim] on the device and row tags; repeated prompts come from the
+        prompt cache, so the conditioner may be offloaded between requests."""
+        key = prompt_key(prompt, images)
+        cached = self.prompt_cache.get(key)
+        if cached is None:
+            if self.conditioner is None:
+                raise RuntimeError("The text conditioner is offloaded and this prompt is not cached.")
+            cached = self.conditioner.encode(prompt, list(images))
+            self.prompt_cache.put(key, *cached)
+        text, tags = cached
         return text.to(self.device), tags.cpu()
 
     def run_denoise(self, layout: L.PackedLayout, text: torch.Tensor, video: Target, audio: Target, steps: int,
@@ -201,11 +215,20 @@ class H3Pipeline:
             def report(step, total, x0_rows):
                 on_step(StepEvent(step, total, L.unpatchify(x0_rows, T, h, w, patch), stage))
         schedule = self.adaln_cache.schedule(self.dit) if self.adaln_cache else None
-        out = denoise(self.dit, layout.to(self.device), text, video, audio, steps, cond_video, cond_audio, report,
-                      schedule, start)
+        layout = layout.to(self.device)
+        with self.sparse_attention(layout):
+            out = denoise(self.dit, layout, text, video, audio, steps, cond_video, cond_audio, report, schedule,
+                          start)
         if schedule:
             schedule.finish()
         return out
+
+    def sparse_attention(self, layout: L.PackedLayout):
+        """VSA over the target video rows at `self.vsa_sparsity` (0: dense attention, exactly)."""
+        if self.vsa_sparsity <= 0:
+            return contextlib.nullcontext()
+        plan = vsa.build_plan(layout, self.dit.config.patch_size[1:])
+        return vsa.active(plan, vsa.topk_for_sparsity(self.vsa_sparsity, plan.num_cubes), self.vsa_gates)
 
     def noise(self, gen: torch.Generator, *shape) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(self.device)
