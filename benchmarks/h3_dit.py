@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.timing import cuda_ms  # noqa: E402
 from engine.kernels import attention as attn  # noqa: E402
 from engine.models.h3 import checkpoint  # noqa: E402
 from engine.models.h3 import layout as L  # noqa: E402
@@ -27,19 +28,6 @@ from engine.models.h3.config import FULL, NUM_MODALITIES, TEXT_TAG  # noqa: E402
 from engine.models.h3.dit import build_dit, rope_table  # noqa: E402
 
 TEXT_ROWS = 64
-
-
-def cuda_time(fn, warmup=2, iters=5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def make_layout(frames: int):
@@ -110,11 +98,11 @@ def main() -> int:
             rope = rope_table(lay.position_ids, ours.rope_inv_freq)
             flops, attn_share = block_flops(S)
             row = {"frames": frames, "S": S, "attn_flop_share": round(attn_share, 3)}
-            ms = cuda_time(lambda: ref_block(x, temb, rows, rope))
+            ms = cuda_ms(lambda: ref_block(x, temb, rows, rope))
             row["diffusers_ms_per_block"] = round(ms, 2)
             for name in our_backends:
                 with attn.use_backend(name):
-                    ms_ours = cuda_time(lambda: block(x, mods, rows, rope))
+                    ms_ours = cuda_ms(lambda: block(x, mods, rows, rope))
                 row[f"ours_{name}_ms_per_block"] = round(ms_ours, 2)
                 row[f"ours_{name}_tflops"] = round(flops / ms_ours / 1e9, 1)
                 row[f"ours_{name}_speedup_vs_diffusers"] = round(ms / ms_ours, 3)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.timing import cuda_ms  # noqa: E402
 from engine.kernels import attention as attn  # noqa: E402
 from engine.kernels import vsa  # noqa: E402
 from engine.kernels.vsa_triton import block_sparse_attention  # noqa: E402
@@ -30,19 +31,6 @@ from engine.models.h3.config import TEXT_TAG  # noqa: E402
 
 TEXT_ROWS, HEADS, HEAD_DIM = 64, 56, 128
 BF16_TOL = 2e-2  # max abs error / max abs reference
-
-
-def cuda_ms(fn, warmup=2, iters=5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def make_layout(frames: int, latent_h: int, latent_w: int, keyframes=()):
