@@ -1,4 +1,5 @@
-"""H3Forge for ComfyUI: MiniMax-H3 text-to-video with audio on the bundled (or a remote) H3Forge engine.
+"""H3Forge for ComfyUI: MiniMax-H3 video with audio (text to video, masked edit, extension) on the bundled (or a
+remote) H3Forge engine, plus the video mask helpers those jobs need.
 
 Only the light node layer is imported here; the engine runs in its own process.
 """

@@ -8,15 +8,18 @@ that announces them by name:
 
 Client -> engine:
     hello   {id, version, token}
-    submit  {id, task, params, tensors: [names], mp4: bool}     + one binary frame per name, in order
+    submit  {id, task, params, tensors: [names], mp4: bool}     + one binary frame per name, in order (tasks: see
+                                                                   "task specs" below)
     cancel  {id, job}
     attach  {id, job}
     status  {id}
 Engine -> client:
     welcome  {id, version, limits, engine}
     accepted {id, job, position}                                 position = jobs ahead of this one
-    progress {job, stage, step, total, eta_s, has_preview, position?}   + one JPEG frame ("preview", uint8 [N])
-    result   {id?, job, meta, tensors: [names]}                  + frames uint8 [F,H,W,3], audio float32 [C,S], mp4 uint8 [N]
+    progress {job, stage, step, total, eta_s, has_preview, position?, detail?}  + one JPEG frame ("preview", uint8 [N])
+             stage: queued | starting | denoising | decoding | upscaling; detail: e.g. "window 2/4"
+    result   {id?, job, meta, tensors: [names]}                  + frames uint8 [F,H,W,3], audio float32 [C,S] (absent
+                                                                   for a silent clip), mp4 uint8 [N]
     status   {id, ...}                                           same body as GET /v1/status
     error    {id?, job?, code, message}                          the message is written for an artist
 """
@@ -47,7 +50,6 @@ MAX_FRAME_HEADER_BYTES = 4096
 # One WebSocket message holds at most 4 GiB (aiohttp's limit).
 MAX_RESULT_TENSOR_BYTES = 2**32 - 1
 
-TASKS = ("t2va", "fl2va")
 IMAGE_TENSORS = ("first_frame", "last_frame")
 
 
@@ -181,119 +183,308 @@ def _mib(n: int) -> str:
 
 
 # ---- task specs ------------------------------------------------------------------------------------------
+#
+# t2va / fl2va: prompt, seconds, width + height or aspect, steps, seed, loras; fl2va takes first_frame and/or
+#   last_frame (uint8 [H, W, 3]).
+# edit, extend, refine, upscale start from ONE source:
+#   tensor source_mp4 (uint8 [N]: a video file's bytes, decoded by the engine, sound included), or
+#   tensor source_frames (uint8 [F, H, W, 3]) with param source_fps (default 24) and optionally tensor
+#   source_audio (float32 [C, S]) with param source_sample_rate, or
+#   param source_job: the id of an earlier job in the engine's result store (frames, sound and latents reused).
+# edit: tensor mask (uint8 0..255 or float32 0..1, [H, W] or [F, H, W]); prompt, preset, strength, audio_mask.
+# extend: prompt or prompts (one per window), seconds (to add), overlap_latents, window_seconds.
+# refine: prompt, scale (1.5 or 2), strength.
+# upscale (SeedVR2): model, one of resolution / width and/or height / scale, color_fix, seed, batch_frames,
+#   overlap_frames, tiling.
 
 _ASPECT = re.compile(r"^\s*(\d+(\.\d+)?)\s*:\s*(\d+(\.\d+)?)\s*$")
+_JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 MAX_PROMPT_CHARS = 8000
 MAX_LORAS = 16
+MAX_WINDOWS = 64
+EDIT_PRESETS = ("remove", "replace", "repaint")
+REFINE_SCALES = (1.5, 2.0)
+UPSCALE_MODELS = ("3b", "7b")
+UPSCALE_RESOLUTIONS = ("720p", "1080p", "1440p", "2K", "2160p", "4K")
+COLOR_FIXES = ("wavelet", "lab", "none")
+SOURCE_TENSORS = ("source_mp4", "source_frames", "source_audio")
+
+
+def _invalid(message: str):
+    raise ProtocolError("invalid_request", message)
 
 
 def _number(task, key, value, lo, hi):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ProtocolError("invalid_request", f"{task}: '{key}' must be a number, got {value!r:.60}.")
+        _invalid(f"{task}: '{key}' must be a number, got {value!r:.60}.")
     if not lo < value <= hi:
-        raise ProtocolError("invalid_request", f"{task}: '{key}' must be more than {lo:g} and at most {hi:g}, "
-                                               f"got {value:g}.")
+        _invalid(f"{task}: '{key}' must be more than {lo:g} and at most {hi:g}, got {value:g}.")
     return float(value)
+
+
+def _between(task, key, value, lo, hi):
+    value = _number(task, key, value, -math.inf, math.inf)
+    if not lo <= value <= hi:
+        _invalid(f"{task}: '{key}' must be from {lo:g} to {hi:g}, got {value:g}.")
+    return value
 
 
 def _integer(task, key, value, lo, hi):
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError("invalid_request", f"{task}: '{key}' must be a whole number, got {value!r:.60}.")
+        _invalid(f"{task}: '{key}' must be a whole number, got {value!r:.60}.")
     if not lo <= value <= hi:
-        raise ProtocolError("invalid_request", f"{task}: '{key}' must be between {lo} and {hi}, got {value}.")
+        _invalid(f"{task}: '{key}' must be between {lo} and {hi}, got {value}.")
+    return value
+
+
+def _choice(options):
+    def check(task, key, value):
+        for option in options:
+            if value == option or (isinstance(value, str) and value.strip().lower() == str(option).lower()):
+                return option
+        _invalid(f"{task}: '{key}' must be one of {', '.join(map(str, options))}; got {value!r:.60}.")
+    return check
+
+
+def _flag(task, key, value):
+    if not isinstance(value, bool):
+        _invalid(f"{task}: '{key}' must be true or false, got {value!r:.60}.")
     return value
 
 
 def _prompt(task, key, value):
     if not isinstance(value, str) or not value.strip():
-        raise ProtocolError("invalid_request", f"{task}: the prompt is empty; describe the video (and its sound).")
+        _invalid(f"{task}: the prompt is empty; describe the video (and its sound).")
     if len(value) > MAX_PROMPT_CHARS:
-        raise ProtocolError("invalid_request", f"{task}: the prompt has {len(value)} characters; the most is "
-                                               f"{MAX_PROMPT_CHARS}.")
+        _invalid(f"{task}: the prompt has {len(value)} characters; the most is {MAX_PROMPT_CHARS}.")
     return value
+
+
+def _prompts(task, key, value):
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_WINDOWS:
+        _invalid(f"{task}: 'prompts' must be a list of 1 to {MAX_WINDOWS} prompts, one per window.")
+    return [_prompt(task, key, item) for item in value]
 
 
 def _aspect(task, key, value):
     m = _ASPECT.match(value) if isinstance(value, str) else None
     if m is None or float(m.group(1)) <= 0 or float(m.group(3)) <= 0:
-        raise ProtocolError("invalid_request", f"{task}: 'aspect' must look like \"16:9\", got {value!r:.60}.")
+        _invalid(f"{task}: 'aspect' must look like \"16:9\", got {value!r:.60}.")
     return f"{m.group(1)}:{m.group(3)}"
 
 
 def _loras(task, key, value):
     if not isinstance(value, list) or len(value) > MAX_LORAS:
-        raise ProtocolError("invalid_request", f"{task}: 'loras' must be a list of at most {MAX_LORAS} "
-                                               f"[path, scale] pairs.")
+        _invalid(f"{task}: 'loras' must be a list of at most {MAX_LORAS} [path, scale] pairs.")
     out = []
     for item in value:
         path, scale = (item.get("path"), item.get("scale", 1.0)) if isinstance(item, dict) else (
             item if isinstance(item, list) and len(item) == 2 else (None, None))
         if not isinstance(path, str) or not path:
-            raise ProtocolError("invalid_request", f"{task}: each LoRA needs a file path, got {item!r:.80}.")
+            _invalid(f"{task}: each LoRA needs a file path, got {item!r:.80}.")
         out.append([path, _number(task, f"scale of LoRA {path}", scale, -100.0, 100.0)])
     return out
 
 
-_PARAMS = {
-    "prompt": lambda t, k, v: _prompt(t, k, v),
-    "seconds": lambda t, k, v: _number(t, k, v, 0.0, 600.0),
-    "width": lambda t, k, v: _integer(t, k, v, 32, 8192),
-    "height": lambda t, k, v: _integer(t, k, v, 32, 8192),
-    "aspect": _aspect,
+def _job(task, key, value):
+    if not isinstance(value, str) or not _JOB_ID.match(value.strip()):
+        _invalid(f"{task}: 'source_job' must be the job id of an earlier result (32 hex characters), "
+                 f"got {value!r:.60}.")
+    return value.strip()
+
+
+def _overlap(task, key, value):
+    value = _integer(task, key, value, 2, 52)
+    if value % 5 != 2:
+        _invalid(f"{task}: 'overlap_latents' must be 2, 7, 12, ... (5k + 2 latent frames, so windows line up "
+                 f"with the video VAE's chunks), got {value}.")
+    return value
+
+
+def _resolution(task, key, value):
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _integer(task, key, value, 64, 8192)
+    return _choice(UPSCALE_RESOLUTIONS)(task, key, value)
+
+
+_COMMON = {
     "steps": lambda t, k, v: _integer(t, k, v, 2, 1000),
     "seed": lambda t, k, v: _integer(t, k, v, 0, 2**63 - 1),
     "loras": _loras,
 }
+_SOURCE = {
+    "source_job": _job,
+    "source_fps": lambda t, k, v: _number(t, k, v, 0.0, 1000.0),
+    "source_sample_rate": lambda t, k, v: _integer(t, k, v, 1000, 768000),
+}
+_STRENGTH = lambda t, k, v: _number(t, k, v, 0.0, 1.0)  # noqa: E731
+_SIDE = lambda t, k, v: _integer(t, k, v, 32, 8192)  # noqa: E731
+_GENERATE_PARAMS = {"prompt": _prompt, "seconds": lambda t, k, v: _number(t, k, v, 0.0, 600.0), "width": _SIDE,
+                    "height": _SIDE, "aspect": _aspect, **_COMMON}
+
+
+def _generate_rules(task, checked, tensors, spec):
+    if "prompt" not in checked:
+        _invalid(f"{task}: a prompt is required.")
+    if ("width" in checked) != ("height" in checked):
+        _invalid(f"{task}: give both width and height, or neither (then 'aspect' picks the canvas).")
+    present = [name for name in spec.tensors if name in tensors]
+    if len(present) < spec.images_required:
+        _invalid(f"{task} needs a first frame, a last frame, or both.")
+    for name in present:
+        _check_image(task, name, tensors[name])
+
+
+def _edit_rules(task, checked, tensors, spec):
+    if "mask" not in tensors:
+        _invalid("edit needs a mask: 1 (white) where the video is regenerated, 0 (black) where it is kept.")
+    _check_mask(task, tensors["mask"])
+    preset = checked.get("preset", "replace")
+    if preset != "remove" and "prompt" not in checked:
+        _invalid(f"edit: a {preset} edit needs a prompt describing the new content of the masked area.")
+
+
+def _extend_rules(task, checked, tensors, spec):
+    if "seconds" not in checked:
+        _invalid("extend: 'seconds' (how many seconds to add) is required.")
+    if ("prompt" in checked) == ("prompts" in checked):
+        _invalid("extend: give 'prompt', or 'prompts' with one prompt per window (the last one repeats); "
+                 "not both and not neither.")
+
+
+def _refine_rules(task, checked, tensors, spec):
+    if "prompt" not in checked:
+        _invalid("refine: a prompt is required: describe what the clip shows and sounds like.")
+
+
+def _upscale_rules(task, checked, tensors, spec):
+    sizes = [k for k in ("resolution", "scale") if k in checked] + (
+        ["width/height"] if "width" in checked or "height" in checked else [])
+    if len(sizes) != 1:
+        _invalid(f"upscale: give exactly one of: resolution ({', '.join(UPSCALE_RESOLUTIONS)}), width and/or "
+                 f"height, or scale; got {', '.join(sizes) or 'none'}.")
 
 
 @dataclass(frozen=True)
 class TaskSpec:
     name: str
     summary: str
-    image_tensors: tuple[str, ...] = ()  # optional uint8 [H, W, 3] images
-    images_required: int = 0  # how many of image_tensors must be present
+    params: dict  # name -> validator(task, key, value) returning the normalised value
+    rules: Any  # (task, checked params, tensors, spec) -> None; raises ProtocolError
+    tensors: tuple[str, ...] = ()  # tensor names the task takes
+    images_required: int = 0  # fl2va: how many of its image tensors must be present
+    source: bool = False  # starts from a source video (SOURCE_TENSORS or source_job)
 
 
-TASK_SPECS = {
-    "t2va": TaskSpec("t2va", "text to video with audio"),
-    "fl2va": TaskSpec("fl2va", "first and/or last frame to video with audio", IMAGE_TENSORS, 1),
-}
+TASK_SPECS = {spec.name: spec for spec in (
+    TaskSpec("t2va", "text to video with audio", _GENERATE_PARAMS, _generate_rules),
+    TaskSpec("fl2va", "first and/or last frame to video with audio", _GENERATE_PARAMS, _generate_rules,
+             IMAGE_TENSORS, images_required=1),
+    TaskSpec("edit", "masked edit: object removal, replacement, repaint",
+             {"prompt": _prompt, "preset": _choice(EDIT_PRESETS), "strength": _STRENGTH,
+              "audio_mask": lambda t, k, v: _between(t, k, v, 0.0, 1.0), **_COMMON, **_SOURCE},
+             _edit_rules, (*SOURCE_TENSORS, "mask"), source=True),
+    TaskSpec("extend", "continue a clip past one window",
+             {"prompt": _prompt, "prompts": _prompts, "seconds": lambda t, k, v: _number(t, k, v, 0.0, 600.0),
+              "overlap_latents": _overlap, "window_seconds": lambda t, k, v: _between(t, k, v, 5.0, 15.0),
+              **_COMMON, **_SOURCE},
+             _extend_rules, SOURCE_TENSORS, source=True),
+    TaskSpec("refine", "latent upscale x1.5 / x2 and a second H3 pass",
+             {"prompt": _prompt, "scale": _choice(REFINE_SCALES), "strength": _STRENGTH, **_COMMON, **_SOURCE},
+             _refine_rules, SOURCE_TENSORS, source=True),
+    TaskSpec("upscale", "SeedVR2 restoration to 1080p and beyond",
+             {"model": _choice(UPSCALE_MODELS), "resolution": _resolution, "width": _SIDE, "height": _SIDE,
+              "scale": lambda t, k, v: _number(t, k, v, 0.0, 16.0), "color_fix": _choice(COLOR_FIXES),
+              "seed": _COMMON["seed"], "batch_frames": lambda t, k, v: _integer(t, k, v, 1, 100000),
+              "overlap_frames": lambda t, k, v: _integer(t, k, v, 0, 64), "tiling": _flag, **_SOURCE},
+             _upscale_rules, SOURCE_TENSORS, source=True),
+)}
+TASKS = tuple(TASK_SPECS)
 
 
 def validate_task(task: Any, params: Any, tensors: dict) -> dict:
     """Checks a submit's task, params and tensors against the task's rules; returns the params with their
     defaults left to the pipeline (only given keys). Deeper model rules (canvas, duration) are the pipeline's."""
     if task not in TASK_SPECS:
-        raise ProtocolError("invalid_request", f"Unknown task {task!r}; this engine runs {', '.join(TASKS)}.")
+        _invalid(f"Unknown task {task!r}; this engine runs {', '.join(TASKS)}.")
     spec = TASK_SPECS[task]
     if not isinstance(params, dict):
-        raise ProtocolError("invalid_request", f"{task}: 'params' must be an object.")
-    unknown = sorted(set(params) - set(_PARAMS))
+        _invalid(f"{task}: 'params' must be an object.")
+    unknown = sorted(set(params) - set(spec.params))
     if unknown:
-        raise ProtocolError("invalid_request", f"{task}: unknown parameter(s) {unknown}; known: {sorted(_PARAMS)}.")
-    if "prompt" not in params:
-        raise ProtocolError("invalid_request", f"{task}: a prompt is required.")
-    checked = {key: _PARAMS[key](task, key, value) for key, value in params.items() if value is not None}
-    if ("width" in checked) != ("height" in checked):
-        raise ProtocolError("invalid_request", f"{task}: give both width and height, or neither (then 'aspect' "
-                                               f"picks the canvas).")
-    extra = sorted(set(tensors) - set(spec.image_tensors))
+        _invalid(f"{task}: unknown parameter(s) {unknown}; {task} takes {sorted(spec.params)}.")
+    checked = {key: spec.params[key](task, key, value) for key, value in params.items() if value is not None}
+    extra = sorted(set(tensors) - set(spec.tensors))
     if extra:
-        allowed = f"only {list(spec.image_tensors)}" if spec.image_tensors else "no input images"
-        raise ProtocolError("invalid_request", f"{task} takes {allowed}, got {extra}.")
-    present = [name for name in spec.image_tensors if name in tensors]
-    if len(present) < spec.images_required:
-        raise ProtocolError("invalid_request", f"{task} needs a first frame, a last frame, or both.")
-    for name in present:
-        _check_image(task, name, tensors[name])
+        _invalid(f"{task} takes {f'only {list(spec.tensors)}' if spec.tensors else 'no input images'}, got {extra}.")
+    if spec.source:
+        _source_rules(task, checked, tensors)
+    spec.rules(task, checked, tensors, spec)
     return checked
+
+
+def _source_rules(task: str, checked: dict, tensors: dict) -> None:
+    given = ["source_job"] * ("source_job" in checked) + [n for n in ("source_mp4", "source_frames") if n in tensors]
+    if len(given) != 1:
+        _invalid(f"{task} needs exactly one source video: its file bytes (source_mp4), its frames (source_frames, "
+                 f"with optional source_audio), or an earlier job's id (source_job); got {given or 'none'}.")
+    if "source_frames" in tensors:
+        _check_frames(task, "source_frames", tensors["source_frames"])
+    elif "source_fps" in checked:
+        _invalid(f"{task}: source_fps goes with source_frames only (a video file and a stored job carry their own "
+                 f"frame rate).")
+    if "source_audio" in tensors:
+        if "source_frames" not in tensors:
+            _invalid(f"{task}: source_audio goes with source_frames only.")
+        _check_audio(task, tensors["source_audio"])
+        if "source_sample_rate" not in checked:
+            _invalid(f"{task}: give source_sample_rate with source_audio.")
+    elif "source_sample_rate" in checked:
+        _invalid(f"{task}: source_sample_rate goes with source_audio only.")
+    if "source_mp4" in tensors:
+        array = tensors["source_mp4"]
+        if array.dtype.name != "uint8" or array.ndim != 1 or array.shape[0] == 0:
+            _invalid(f"{task}: source_mp4 must be the video file's bytes, uint8 [N]; got {array.dtype.name} "
+                     f"{list(array.shape)}.")
 
 
 def _check_image(task: str, name: str, array) -> None:
     shape = tuple(array.shape)
     if array.dtype.name != "uint8" or len(shape) != 3 or shape[2] != 3:
-        raise ProtocolError("invalid_request", f"{task}: {name} must be an RGB image, uint8 [H, W, 3]; got "
-                                               f"{array.dtype.name} {list(shape)}.")
+        _invalid(f"{task}: {name} must be an RGB image, uint8 [H, W, 3]; got {array.dtype.name} {list(shape)}.")
     if not (16 <= shape[0] <= 8192 and 16 <= shape[1] <= 8192):
-        raise ProtocolError("invalid_request", f"{task}: {name} is {shape[1]}x{shape[0]}; images must be 16 to "
-                                               f"8192 pixels per side.")
+        _invalid(f"{task}: {name} is {shape[1]}x{shape[0]}; images must be 16 to 8192 pixels per side.")
+
+
+def _check_frames(task: str, name: str, array) -> None:
+    shape = tuple(array.shape)
+    if array.dtype.name != "uint8" or len(shape) != 4 or shape[3] != 3 or shape[0] < 1:
+        _invalid(f"{task}: {name} must be RGB frames, uint8 [F, H, W, 3]; got {array.dtype.name} {list(shape)}.")
+    if not (16 <= shape[1] <= 8192 and 16 <= shape[2] <= 8192):
+        _invalid(f"{task}: {name} are {shape[2]}x{shape[1]}; frames must be 16 to 8192 pixels per side.")
+
+
+def _check_audio(task: str, array) -> None:
+    if array.dtype.name != "float32" or array.ndim != 2 or array.shape[0] not in (1, 2):
+        _invalid(f"{task}: source_audio must be mono or stereo float32 samples [C, S]; got {array.dtype.name} "
+                 f"{list(array.shape)}.")
+
+
+def _check_mask(task: str, array) -> None:
+    shape = tuple(array.shape)
+    if array.dtype.name not in ("uint8", "float32") or len(shape) not in (2, 3) or min(shape) < 1:
+        _invalid(f"{task}: the mask must be uint8 (0..255) or float32 (0..1), one for all frames [H, W] or one per "
+                 f"frame [F, H, W]; got {array.dtype.name} {list(shape)}.")
+
+
+def mask_mismatch(mask_shape, frames_shape) -> str | None:
+    """Why a mask [H, W] / [F, H, W] does not fit a video [F, H, W, 3], or None. Shared by the engine and the
+    Mask Preview node."""
+    frames, height, width = frames_shape[:3]
+    mask_h, mask_w = mask_shape[-2:]
+    if (mask_h, mask_w) != (height, width):
+        return f"The mask is {mask_w}x{mask_h} but the video is {width}x{height}: make the mask at the video's size."
+    if len(mask_shape) == 3 and mask_shape[0] not in (1, frames):
+        return (f"The mask has {mask_shape[0]} frames but the video has {frames}: give one mask for all frames or "
+                f"one per frame.")
+    return None

@@ -1,17 +1,40 @@
 """H3Forge ComfyUI nodes: thin V1 nodes that run jobs on the H3Forge engine through nodes/client.py."""
 
+from .edit import H3ForgeMaskedEdit
 from .engine_node import H3ForgeEngine
+from .extend import H3ForgeExtendVideo
+from .masks import (H3ForgeMaskFeather, H3ForgeMaskFrameRange, H3ForgeMaskGrow, H3ForgeMaskPreview,
+                    H3ForgeMaskTrackBox)
 from .preview import H3ForgePreview
 from .t2v import H3ForgeTextToVideo
 
 NODE_CLASS_MAPPINGS = {
     "H3ForgeEngine": H3ForgeEngine,
     "H3ForgeTextToVideo": H3ForgeTextToVideo,
+    "H3ForgeMaskedEdit": H3ForgeMaskedEdit,
+    "H3ForgeExtendVideo": H3ForgeExtendVideo,
+    "H3ForgeMaskPreview": H3ForgeMaskPreview,
+    "H3ForgeMaskFrameRange": H3ForgeMaskFrameRange,
+    "H3ForgeMaskTrackBox": H3ForgeMaskTrackBox,
+    "H3ForgeMaskGrow": H3ForgeMaskGrow,
+    "H3ForgeMaskFeather": H3ForgeMaskFeather,
     "H3ForgePreview": H3ForgePreview,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "H3ForgeEngine": "H3Forge Engine",
     "H3ForgeTextToVideo": "H3Forge Text to Video (+ audio)",
+    "H3ForgeMaskedEdit": "H3Forge Masked Edit",
+    "H3ForgeExtendVideo": "H3Forge Extend Video",
+    "H3ForgeMaskPreview": "H3Forge Mask Preview",
+    "H3ForgeMaskFrameRange": "H3Forge Mask Frame Range",
+    "H3ForgeMaskTrackBox": "H3Forge Mask Track Box",
+    "H3ForgeMaskGrow": "H3Forge Mask Grow",
+    "H3ForgeMaskFeather": "H3Forge Mask Feather",
     "H3ForgePreview": "H3Forge Preview",
 }
+
+from .upscale import NODE_CLASS_MAPPINGS as _UPSCALE, NODE_DISPLAY_NAME_MAPPINGS as _UPSCALE_NAMES  # noqa: E402
+
+NODE_CLASS_MAPPINGS.update(_UPSCALE)
+NODE_DISPLAY_NAME_MAPPINGS.update(_UPSCALE_NAMES)

@@ -27,6 +27,7 @@ except ImportError:
 
 RECONNECT_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # one reconnect attempt after each
 CANCEL_GRACE_S = 30.0  # how long to wait for the engine to confirm a cancel (it stops at the next step)
+HEARTBEAT_S = 30.0  # WebSocket ping interval; no pong within half of it (a frozen engine) drops the connection
 
 
 class EngineError(Exception):
@@ -38,12 +39,13 @@ class EngineError(Exception):
 @dataclass
 class ProgressEvent:
     job: str
-    stage: str  # "queued", "starting", "denoising", "decoding"
+    stage: str  # "queued", "starting", "denoising", "decoding", "upscaling"
     step: int
     total: int
     eta_s: float | None
     preview_jpeg: bytes | None = None
     position: int | None = None  # jobs ahead, while queued
+    detail: str | None = None  # e.g. "window 2/4" while extending
 
 
 @dataclass
@@ -51,9 +53,9 @@ class JobResult:
     job: str
     meta: dict  # task, params, notes, timings, fps, sample_rate, frames, width, height
     frames: np.ndarray  # uint8 [F, H, W, 3] (read-only view of the received buffer)
-    audio: np.ndarray  # float32 [C, S]
+    audio: np.ndarray | None  # float32 [C, S]; None for a silent clip (an upscaled video without sound)
     sample_rate: int
-    fps: int
+    fps: float  # 24 for MiniMax-H3 results; an upscale keeps its source's rate
     mp4: bytes | None = None
 
 
@@ -173,9 +175,10 @@ class EngineClient:
     async def _open(self, session: aiohttp.ClientSession) -> aiohttp.ClientWebSocketResponse:
         """Connects and greets; raises EngineError for an absent engine, a refused token or another version."""
         try:
-            ws = await session.ws_connect(self.url + "/v1/ws", heartbeat=30,
-                                          max_msg_size=protocol.MAX_RESULT_TENSOR_BYTES,
-                                          timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0))
+            # Bounded as a whole: a frozen engine accepts the TCP connection but never answers the upgrade.
+            ws = await asyncio.wait_for(session.ws_connect(
+                self.url + "/v1/ws", heartbeat=HEARTBEAT_S, max_msg_size=protocol.MAX_RESULT_TENSOR_BYTES,
+                timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0)), self.connect_timeout)
         except aiohttp.WSServerHandshakeError as exc:
             raise EngineError("bad_response", f"The server at {self.url} refused the WebSocket (HTTP {exc.status}): "
                                               f"is this an H3Forge engine?") from None
@@ -251,7 +254,8 @@ class EngineClient:
         elif kind == "progress" and msg["job"] == watch.job and watch.on_progress is not None:
             preview = frames.get("preview")
             event = ProgressEvent(msg["job"], msg["stage"], msg["step"], msg["total"], msg.get("eta_s"),
-                                  preview.tobytes() if preview is not None else None, msg.get("position"))
+                                  preview.tobytes() if preview is not None else None, msg.get("position"),
+                                  msg.get("detail"))
             outcome = watch.on_progress(event)
             if inspect.isawaitable(outcome):
                 await outcome
@@ -260,8 +264,8 @@ class EngineClient:
             if watch.cancel_deadline is not None:  # it finished before the cancel took effect
                 raise EngineError("cancelled", "Cancelled.")
             meta, mp4 = msg["meta"], frames.get("mp4")
-            return JobResult(msg["job"], meta, frames["frames"], frames["audio"], int(meta["sample_rate"]),
-                             int(meta["fps"]), mp4.tobytes() if mp4 is not None else None)
+            return JobResult(msg["job"], meta, frames["frames"], frames.get("audio"), int(meta["sample_rate"]),
+                             float(meta["fps"]), mp4.tobytes() if mp4 is not None else None)
         return None
 
     def _remaining(self, watch: _JobWatch) -> float | None:

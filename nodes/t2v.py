@@ -1,15 +1,20 @@
-"""H3Forge Text to Video (+ audio): a t2va / fl2va job on the engine, with progress, preview and cancel."""
+"""H3Forge Text to Video (+ audio): a t2va / fl2va job on the engine, with progress, preview and cancel.
+
+Also the plumbing every engine-job node shares: the common inputs (steps, seed, engine, LoRAs), `run_job` (progress
+bar, live preview, status text, interrupt -> engine cancel, readable errors) and `video_job` (-> VIDEO, IMAGE,
+AUDIO and the engine's job id, which later nodes pass as `source_job` to start from the stored result).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import time
-from fractions import Fraction
 
 from . import comfy_compat as comfy
 from .client import EngineError
 from .engine_node import ENGINE_TYPE, connect, readable_error
+from .video_io import images_to_uint8, result_outputs
 
 ASPECTS = ["16:9", "9:16", "1:1", "4:3", "3:4", "21:9", "auto"]
 MAX_SIDE = 4096
@@ -17,6 +22,27 @@ MAX_STEPS = 1000
 MAX_SEED = 2**63 - 1
 PREVIEW_MAX_SIZE = 512
 INTERRUPT_POLL_S = 0.1
+STEP_STAGES = ("denoising", "upscaling")  # progress events that move the bar
+
+# Inputs shared by the engine-job nodes.
+STEPS_INPUT = ("INT", {"default": 0, "min": 0, "max": MAX_STEPS, "tooltip":
+               "Sampling steps, counted like the MiniMax-H3 releases (sigma grid points: N steps = N-1 model "
+               "evaluations). 0 = the engine's default for the loaded model. About 50 for the base model; a "
+               "4-step Turbo LoRA needs 5. More is slower."})
+SEED_INPUT = ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "tooltip":
+              "Random seed; the same seed and inputs give the same video."})
+ENGINE_INPUT = (ENGINE_TYPE, {"tooltip":
+                "Engine settings from an H3Forge Engine node. Without it: the local engine at "
+                "ws://127.0.0.1:8190, started automatically if needed."})
+LORA_INPUT = ("STRING", {"multiline": True, "default": "", "tooltip":
+              "LoRAs to apply, one per line as file.safetensors:scale, with paths inside the engine's models "
+              "folder. Example: turbo.safetensors:1.0"})
+# Outputs of every node that gets a clip from the engine.
+CLIP_RETURN_TYPES = ("VIDEO", "IMAGE", "AUDIO", "STRING")
+CLIP_RETURN_NAMES = ("video", "frames", "audio", "job_id")
+CLIP_OUTPUT_TOOLTIPS = ("The video with its audio track.", "The video frames as an image batch.", "The soundtrack.",
+                        "The engine's id for this result. Connect it to source_job of H3Forge Extend Video (or an "
+                        "upscaler) to start from the stored result without sending and re-encoding the video.")
 
 
 def parse_lora_list(text: str) -> list[list]:
@@ -52,25 +78,32 @@ def check_settings(width: int, height: int, steps: int) -> str | None:
     return None
 
 
+def lora_problem(text: str) -> str | None:
+    """Why a LoRA list cannot be parsed, or None."""
+    try:
+        parse_lora_list(text)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def image_to_uint8(image, name: str):
     """First image of a ComfyUI IMAGE batch [B,H,W,C] float 0..1 as uint8 [H,W,3] numpy."""
-    import torch
-
-    if image.ndim == 4:
-        image = image[0]
-    if image.ndim != 3 or image.shape[-1] not in (3, 4):
+    batch = image[None] if image.ndim == 3 else image
+    if batch.ndim != 4 or batch.shape[-1] not in (3, 4):
         raise ValueError(f"H3Forge: {name} must be an RGB image, got shape {tuple(image.shape)}")
-    rgb = image[..., :3].detach().to("cpu", torch.float32)
-    return (rgb.clamp(0, 1) * 255).round().to(torch.uint8).contiguous().numpy()
+    return images_to_uint8(batch[:1])[0]
 
 
 def describe(event) -> str:
-    """Status text for a progress event, e.g. "H3Forge: denoising 3/49, about 40 s left"."""
+    """Status text for a progress event, e.g. "H3Forge: denoising 3/49 (window 2/4), about 40 s left"."""
     text = event.stage
     if event.stage == "queued" and event.position is not None:
         text += f", {event.position} job{'s' if event.position != 1 else ''} ahead"
-    elif event.stage == "denoising":
-        text += f" {event.step}/{event.total}"
+    elif event.stage in STEP_STAGES:
+        text += f" batch {event.step}/{event.total}" if event.stage == "upscaling" else f" {event.step}/{event.total}"
+        if event.detail:
+            text += f" ({event.detail})"
         if event.eta_s is not None:
             text += f", about {event.eta_s:.0f} s left"
     return f"H3Forge: {text}"
@@ -82,10 +115,7 @@ class H3ForgeTextToVideo:
                    "progress with a live preview; Cancel stops the engine job at the next step.")
     CATEGORY = "H3Forge"
     FUNCTION = "generate"
-    RETURN_TYPES = ("VIDEO", "IMAGE", "AUDIO")
-    RETURN_NAMES = ("video", "frames", "audio")
-    OUTPUT_TOOLTIPS = ("The video with its audio track.", "The video frames as an image batch.",
-                       "The generated soundtrack.")
+    RETURN_TYPES, RETURN_NAMES, OUTPUT_TOOLTIPS = CLIP_RETURN_TYPES, CLIP_RETURN_NAMES, CLIP_OUTPUT_TOOLTIPS
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -104,26 +134,18 @@ class H3ForgeTextToVideo:
                           "model's default resolution (set height too)."}),
                 "height": ("INT", {"default": 0, "min": 0, "max": MAX_SIDE, "step": 32, "tooltip":
                            "Frame height in pixels, a multiple of 32. 0 = from the aspect ratio."}),
-                "steps": ("INT", {"default": 0, "min": 0, "max": MAX_STEPS, "tooltip":
-                          "Sampling steps, counted like the MiniMax-H3 releases (sigma grid points: N "
-                          "steps = N-1 model evaluations). 0 = the engine's default for the loaded model. "
-                          "About 50 for the base model; a 4-step Turbo LoRA needs 5. More is slower."}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "tooltip":
-                         "Random seed; the same seed and inputs give the same video."}),
+                "steps": STEPS_INPUT,
+                "seed": SEED_INPUT,
             },
             "optional": {
-                "engine": (ENGINE_TYPE, {"tooltip":
-                           "Engine settings from an H3Forge Engine node. Without it: the local engine at "
-                           "ws://127.0.0.1:8190, started automatically if needed."}),
+                "engine": ENGINE_INPUT,
                 "first_frame": ("IMAGE", {"tooltip":
                                 "Image the video starts on (first image of the batch), resized to the "
                                 "canvas; set aspect to auto to keep its proportions."}),
                 "last_frame": ("IMAGE", {"tooltip":
                                "Image the video ends on (first image of the batch), cropped to cover the "
                                "canvas."}),
-                "lora_list": ("STRING", {"multiline": True, "default": "", "tooltip":
-                              "LoRAs to apply, one per line as file.safetensors:scale, with paths inside "
-                              "the engine's models folder. Example: turbo.safetensors:1.0"}),
+                "lora_list": LORA_INPUT,
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -131,20 +153,10 @@ class H3ForgeTextToVideo:
     @classmethod
     def VALIDATE_INPUTS(cls, width=0, height=0, steps=0, lora_list=""):
         # Naming an input here turns off ComfyUI's own range check for it, so check_settings does it.
-        problem = check_settings(int(width), int(height), int(steps))
-        if problem:
-            return problem
-        try:
-            parse_lora_list(lora_list)
-        except ValueError as error:
-            return str(error)
-        return True
+        return check_settings(int(width), int(height), int(steps)) or lora_problem(lora_list) or True
 
     async def generate(self, prompt, seconds, aspect, width, height, steps, seed,
                        engine=None, first_frame=None, last_frame=None, lora_list="", unique_id=None):
-        import numpy as np
-        import torch
-
         problem = check_settings(width, height, steps)
         if problem:
             raise ValueError(f"H3Forge: {problem}")
@@ -158,23 +170,24 @@ class H3ForgeTextToVideo:
             tensors["first_frame"] = image_to_uint8(first_frame, "first_frame")
         if last_frame is not None:
             tensors["last_frame"] = image_to_uint8(last_frame, "last_frame")
-        task = "fl2va" if tensors else "t2va"
+        return await video_job(engine, "fl2va" if tensors else "t2va", params, tensors, unique_id)
 
-        comfy.send_progress_text("H3Forge: connecting to the engine", unique_id)
-        client = await connect(engine)
-        result = await run_job(client, task, params, tensors, unique_id)
 
-        # The client's arrays are read-only views of the received buffers; these conversions make new arrays.
-        frames = torch.from_numpy(result.frames.astype(np.float32)).div_(255.0)
-        waveform = torch.from_numpy(result.audio.astype(np.float32)).unsqueeze(0)
-        audio = {"waveform": waveform, "sample_rate": int(result.sample_rate)}
-        video = comfy.VideoFromComponents(comfy.VideoComponents(
-            images=frames, audio=audio, frame_rate=Fraction(result.fps).limit_denominator(1001)))
-        return (video, frames, audio)
+class SourceJobGone(ValueError):
+    """The engine no longer has the result a `source_job` names (it restarted, or the result expired)."""
+
+
+async def video_job(engine, task: str, params: dict, tensors: dict, unique_id) -> tuple:
+    """Runs an engine task that returns a clip: (VIDEO, IMAGE, AUDIO, job id)."""
+    comfy.send_progress_text("H3Forge: connecting to the engine", unique_id)
+    client = await connect(engine)
+    result = await run_job(client, task, params, tensors, unique_id)
+    return (*result_outputs(result), result.job)
 
 
 async def run_job(client, task: str, params: dict, tensors: dict, unique_id):
-    """Runs one engine job with ComfyUI progress, live preview, status text and interrupt → engine cancel."""
+    """Runs one engine job with ComfyUI progress, live preview, status text and interrupt → engine cancel.
+    Raises SourceJobGone when the engine has no result for params["source_job"]."""
     from PIL import Image
 
     cancel = asyncio.Event()
@@ -184,7 +197,7 @@ async def run_job(client, task: str, params: dict, tensors: dict, unique_id):
 
     def on_progress(event):
         comfy.send_progress_text(describe(event), unique_id)
-        if event.stage != "denoising" or cancel.is_set():
+        if event.stage not in STEP_STAGES or cancel.is_set():
             return
         preview = None
         if event.preview_jpeg:
@@ -208,6 +221,8 @@ async def run_job(client, task: str, params: dict, tensors: dict, unique_id):
     except EngineError as error:
         if cancel.is_set():
             _raise_interrupt(interrupted)
+        if error.code == "unknown_job":
+            raise SourceJobGone(f"H3Forge: {error.message}") from None
         raise readable_error(error, client.url) from None
     finally:
         watcher.cancel()

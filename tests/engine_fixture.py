@@ -71,8 +71,11 @@ def _health(port: int) -> dict | None:
 
 
 @contextlib.contextmanager
-def start_engine(tmp: Path, *args: str, env: dict | None = None, ready_timeout: float = 120.0):
-    port, tmp = free_port(), Path(tmp)
+def start_engine(tmp: Path, *args: str, env: dict | None = None, ready_timeout: float = 120.0,
+                 port: int | None = None):
+    """An engine on `port` (default: a free one), its token and log in `tmp`: one restarted on the same port and
+    `tmp` keeps its token."""
+    port, tmp = port or free_port(), Path(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     token_file, log_file = tmp / "token", tmp / f"engine-{port}.log"
     cmd = [sys.executable, "-m", "engine", "serve", "--preset", "tiny", "--device", "cpu", "--port", str(port),

@@ -62,7 +62,7 @@ def t2va(settings):
 
 
 def test_text_to_video_end_to_end(t2va):
-    (video, frames, audio), bars, texts = t2va
+    (video, frames, audio, _), bars, texts = t2va
 
     assert frames.dtype == torch.float32 and frames.ndim == 4 and frames.shape[0] == 124 and frames.shape[3] == 3
     assert 0.0 <= frames.min() and frames.max() <= 1.0
@@ -91,13 +91,13 @@ def test_text_to_video_end_to_end(t2va):
 def test_first_frame_runs_fl2va(settings):
     # A portrait first frame with aspect "auto": the engine takes the canvas from the image it received.
     first = torch.rand(1, 160, 96, 3)
-    _, frames, audio = generate(settings, aspect="auto", first_frame=first)
+    _, frames, audio, _ = generate(settings, aspect="auto", first_frame=first)
     assert frames.shape[0] == 124 and frames.shape[1] > frames.shape[2]
     assert audio["waveform"].shape[2] == round(124 / 24 * audio["sample_rate"])
 
 
 def test_preview_writes_playable_mp4_with_audio(t2va):
-    (video, frames, audio), _, _ = t2va
+    (video, frames, audio, _), _, _ = t2va
     ui = H3ForgePreview().preview(video)["ui"]
     assert ui["animated"] == (True,)
     (entry,) = ui["images"]
@@ -147,7 +147,7 @@ def test_interrupt_cancels_engine_job(settings, when):
     status = asyncio.run(client_for(settings).status())
     assert status["running"] is None and status["queue"] == []
 
-    _, frames, _ = generate(settings, size=(64, 64))  # the engine serves the next job
+    _, frames, _, _ = generate(settings, size=(64, 64))  # the engine serves the next job
     assert frames.shape == (124, 64, 64, 3)
 
 
@@ -156,7 +156,7 @@ def test_auto_launch_starts_engine_once_and_reuses_it(tmp_path, monkeypatch):
     url = f"ws://127.0.0.1:{free_port()}"
     settings = engine_settings(url, auto_launch=True)
     try:
-        _, frames, _ = generate(settings, size=(64, 64))
+        _, frames, _, _ = generate(settings, size=(64, 64))
         first = launcher.launched(url)
         assert first is not None and frames.shape[0] == 124
         assert first.token_file == tmp_path / "token" and first.log_file.is_file()

@@ -47,7 +47,9 @@ def test_import_is_fast_and_light(tmp_path):
     loaded = [m for m in report["modules"] if any(m == h or m.startswith(h + ".") for h in HEAVY)
               or any(f".{part}" in f".{m}" for part in ENGINE_INTERNALS)]
     assert loaded == [], f"pack import pulled in {loaded}"
-    assert report["nodes"] == ["H3ForgeEngine", "H3ForgePreview", "H3ForgeTextToVideo"]
+    assert report["nodes"] == ["H3ForgeEngine", "H3ForgeExtendVideo", "H3ForgeMaskFeather", "H3ForgeMaskFrameRange",
+                               "H3ForgeMaskGrow", "H3ForgeMaskPreview", "H3ForgeMaskTrackBox", "H3ForgeMaskedEdit",
+                               "H3ForgePreview", "H3ForgeTextToVideo", "H3ForgeUpscale"]
     assert (PACK / report["web"] / "h3forge.js").is_file()
 
 

@@ -17,8 +17,33 @@ def defs():
     return node_definitions(load_pack().NODE_CLASS_MAPPINGS)
 
 
+EDIT_WORKFLOWS = ("h3_object_removal.json", "h3_object_replacement.json", "h3_repaint.json")
+
+
 def test_workflows_are_shipped():
-    assert {p.name for p in WORKFLOWS} >= {"h3_text_to_video.json", "h3_first_last_frame.json"}
+    assert {p.name for p in WORKFLOWS} >= {"h3_text_to_video.json", "h3_first_last_frame.json", *EDIT_WORKFLOWS,
+                                           "h3_extend_30s.json", "h3_t2v_extend_preview.json"}
+
+
+@pytest.mark.parametrize("name", EDIT_WORKFLOWS)
+def test_mask_preview_sees_the_mask_and_video_of_the_edit(name):
+    workflow = json.loads((WORKFLOWS[0].parent / name).read_text())
+    links = {link[0]: (link[1], link[2]) for link in workflow["links"]}
+
+    def sources(node_type):
+        node = next(n for n in workflow["nodes"] if n["type"] == node_type)
+        return {slot["name"]: links[slot["link"]] for slot in node["inputs"] if slot["link"] is not None}
+
+    edit, preview = sources("H3ForgeMaskedEdit"), sources("H3ForgeMaskPreview")
+    assert preview["mask"] == edit["mask"] and preview["video"] == edit["source"]
+
+
+def test_extensions_start_from_the_stored_job():
+    for name in ("h3_extend_30s.json", "h3_t2v_extend_preview.json"):
+        workflow = json.loads((WORKFLOWS[0].parent / name).read_text())
+        extend = next(n for n in workflow["nodes"] if n["type"] == "H3ForgeExtendVideo")
+        linked = {slot["name"] for slot in extend["inputs"] if slot["link"] is not None}
+        assert {"source", "source_job"} <= linked
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)

@@ -1,8 +1,11 @@
 """Checks a UI-format ComfyUI workflow (version 0.4) against node definitions; returns a list of problems.
 
 Node definitions are the pack's NODE_CLASS_MAPPINGS plus a few ComfyUI core nodes described in
-CORE_NODES (same INPUT_TYPES / RETURN_TYPES shape; a "COMBO" type without a list accepts any string,
-for combos whose options depend on the user's files).
+CORE_NODES (same INPUT_TYPES / RETURN_TYPES shape, as ComfyUI's nodes.py and comfy_extras/nodes_video.py
+declare them; a "COMBO" type without a list accepts any string, for combos whose options depend on the user's
+files). The frontend stores an upload button's value ("image", for image and video uploads alike) after the
+node's other widget values. A saved node may list fewer outputs than its class has now: outputs are only ever
+appended, and ComfyUI adds the missing ones when it loads the workflow.
 """
 
 from __future__ import annotations
@@ -10,10 +13,30 @@ from __future__ import annotations
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_CONTROL = {"fixed", "increment", "decrement", "randomize"}
 
+UPLOADS = ("image_upload", "video_upload")
+
 CORE_NODES = {
     "LoadImage": {
         "input": {"required": {"image": ("COMBO", {"image_upload": True})}},
         "output": ("IMAGE", "MASK"),
+        "output_node": False,
+    },
+    "LoadImageMask": {
+        "input": {"required": {"image": ("COMBO", {"image_upload": True}),
+                               "channel": (["alpha", "red", "green", "blue"],)}},
+        "output": ("MASK",),
+        "output_node": False,
+    },
+    "LoadVideo": {
+        "input": {"required": {"file": ("COMBO", {"video_upload": True})}},
+        "output": ("VIDEO",),
+        "output_node": False,
+    },
+    "CreateVideo": {
+        "input": {"required": {"images": ("IMAGE",), "fps": ("FLOAT", {"default": 30.0, "min": 1.0, "max": 120.0,
+                                                                        "step": 1.0})},
+                  "optional": {"audio": ("AUDIO",)}},
+        "output": ("VIDEO",),
         "output_node": False,
     },
 }
@@ -35,7 +58,7 @@ def _is_widget(spec: tuple) -> bool:
 
 def widgets(node_def: dict) -> list[tuple[str, object, dict]]:
     """(name, type, options) of each widget value, in the order ComfyUI's frontend serialises them."""
-    out = []
+    out, uploads = [], []
     for section in ("required", "optional"):
         for name, spec in node_def["input"].get(section, {}).items():
             if not _is_widget(spec):
@@ -44,9 +67,9 @@ def widgets(node_def: dict) -> list[tuple[str, object, dict]]:
             out.append((name, spec[0], options))
             if spec[0] == "INT" and (name in ("seed", "noise_seed") or options.get("control_after_generate")):
                 out.append((f"{name}:control_after_generate", "CONTROL", {}))
-            if options.get("image_upload"):
-                out.append((f"{name}:upload", "UPLOAD", {}))
-    return out
+            if any(options.get(kind) for kind in UPLOADS):
+                uploads.append((f"{name}:upload", "UPLOAD", {}))
+    return out + uploads
 
 
 def sockets(node_def: dict) -> dict[str, tuple[str, bool]]:
@@ -119,8 +142,9 @@ def check_workflow(workflow: dict, defs: dict[str, dict]) -> list[str]:
                 if problem:
                     problems.append(f"{where}: {problem}")
         outputs = node.get("outputs", [])
-        if [o.get("type") for o in outputs] != list(node_def["output"]):
-            problems.append(f"{where}: outputs {[o.get('type') for o in outputs]} != {list(node_def['output'])}")
+        declared = [o.get("type") for o in outputs]
+        if declared != list(node_def["output"][:len(declared)]) or (node_def["output"] and not declared):
+            problems.append(f"{where}: outputs {declared} are not (the first of) {list(node_def['output'])}")
         known = sockets(node_def)
         connected = set()
         for slot in node.get("inputs", []):

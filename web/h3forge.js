@@ -8,6 +8,10 @@ const engine = { reply: null };          // last /h3forge/status answer
 const progressText = new Map();           // node id -> latest progress text from the backend
 let runningNode = null;                   // id of the node ComfyUI is executing
 
+// H3Forge nodes that never talk to the engine: no engine line under them.
+const OFFLINE = new Set(["H3ForgePreview", "H3ForgeMaskFrameRange", "H3ForgeMaskTrackBox", "H3ForgeMaskGrow",
+                         "H3ForgeMaskFeather"]);
+
 const isH3 = (node) => String(node?.comfyClass ?? node?.type ?? "").startsWith("H3Forge");
 const h3Nodes = () => (app.graph?._nodes ?? []).filter(isH3);
 const redraw = () => app.graph?.setDirtyCanvas(true, false);
@@ -48,7 +52,7 @@ async function poll() {
 function drawStatus(node, ctx) {
   if (node.flags?.collapsed) return;
   const lines = [];
-  if (node.comfyClass !== "H3ForgePreview") lines.push(engineLine());
+  if (!OFFLINE.has(node.comfyClass)) lines.push(engineLine());
   const running = runningNode === String(node.id);
   const text = progressText.get(String(node.id));
   if (running && text) lines.push(text);

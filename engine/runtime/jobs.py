@@ -1,20 +1,34 @@
 """Running one job on every rank: rank 0 broadcasts it, all ranks run the same pipeline call, and all agree
-at each step boundary (engine.runtime.agreement). Ranks other than 0 sit in `follower_loop`."""
+at each step boundary (engine.runtime.agreement). Ranks other than 0 sit in `follower_loop`.
+
+Tasks: t2va / fl2va / edit / extend / refine on the H3 pipeline; upscale on SeedVR2, loaded on first use (one
+model size at a time). Edit, extend, refine and upscale start from a source clip: a stored job's result (resolved
+on rank 0 when the job is submitted), a video file's bytes (decoded here, on every rank) or raw frames.
+"""
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
-from engine.models.h3.request import Cancelled, GenerateRequest, GenerateResult, StepEvent
+from engine.models.h3.layout import LayoutError
+from engine.models.h3.mask import MaskError
+from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, GenerateRequest, GenerateResult,
+                                      RefineRequest, Source, StepEvent)
+from engine.protocol import ProtocolError, mask_mismatch
 from engine.runtime.agreement import PeerFailed, StepAgreement
 from engine.runtime.log import log_event
 from engine.runtime.ranks import RankContext
+
+DEFAULT_SAMPLE_RATE = 32000  # of a source given without sound
 
 
 @dataclass
@@ -25,6 +39,7 @@ class JobSpec:
     task: str
     params: dict
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    source: Source | None = None  # the stored result named by params["source_job"], resolved on rank 0
 
 
 @dataclass(frozen=True)
@@ -44,20 +59,97 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
     return H3Pipeline.from_models(source.models_dir, device=ctx.device)
 
 
+def load_upscaler(source: ModelSource, ctx: RankContext, model: str):
+    """SeedVR2 `model` ("3b" / "7b"): the tiny architectures for a preset engine, else the official files. With
+    several ranks every batch is shared over them (window-aligned sequence parallelism)."""
+    from engine.models.seedvr2.pipeline import SeedVR2Pipeline
+
+    if source.preset:
+        pipe = SeedVR2Pipeline.from_preset("tiny" if model == "3b" else f"tiny-{model}", device=ctx.device)
+    else:
+        try:
+            pipe = SeedVR2Pipeline.from_models(source.models_dir, size=model, device=ctx.device)
+        except (OSError, ValueError) as exc:
+            raise ProtocolError("unavailable", f"SeedVR2 {model.upper()} could not be loaded from "
+                                               f"{source.models_dir}: {exc}") from None
+    if ctx.world_size > 1:
+        pipe.group = ctx.group
+    return pipe
+
+
+# ---- task params (already checked by engine.protocol.validate_task) -> pipeline requests -------------------------
+
+
+def _loras(params: dict) -> list[tuple[str, float]]:
+    return [(path, scale) for path, scale in params.get("loras", [])]
+
+
 def generate_request(spec: JobSpec) -> GenerateRequest:
-    """Task params (already checked by engine.protocol.validate_task) -> the pipeline's request."""
     p = spec.params
     images = {name: np.array(a) for name, a in spec.tensors.items()}  # writable copies of the wire buffers
     return GenerateRequest(
         prompt=p["prompt"], seconds=p.get("seconds", 5.0), width=p.get("width"), height=p.get("height"),
         aspect=p.get("aspect"), steps=p.get("steps"), seed=p.get("seed", 0),
-        first_frame=images.get("first_frame"), last_frame=images.get("last_frame"),
-        loras=[(path, scale) for path, scale in p.get("loras", [])])
+        first_frame=images.get("first_frame"), last_frame=images.get("last_frame"), loras=_loras(p))
+
+
+def job_source(spec: JobSpec) -> Source:
+    """The clip an edit / extend / refine / upscale starts from."""
+    if spec.source is not None:
+        return spec.source
+    p, t = spec.params, spec.tensors
+    if "source_mp4" in t:
+        return decode_source(t["source_mp4"])
+    audio = t.get("source_audio")
+    return Source(np.array(t["source_frames"]), float(p.get("source_fps", 24.0)),
+                  None if audio is None else np.array(audio), int(p.get("source_sample_rate", DEFAULT_SAMPLE_RATE)))
+
+
+def decode_source(data: np.ndarray) -> Source:
+    """A video file's bytes -> frames, frame rate and sound, in one demux pass."""
+    import av
+
+    from engine.io.video import read_video
+
+    try:
+        frames, fps, audio, rate = read_video(data.tobytes())
+    except (ValueError, OSError, av.FFmpegError) as exc:
+        raise LayoutError(f"The source video could not be decoded ({exc}). Send a video file (MP4, MOV, WebM) "
+                          f"with a video stream.") from None
+    return Source(frames, float(fps), audio, rate or DEFAULT_SAMPLE_RATE)
+
+
+def edit_request(spec: JobSpec, source: Source) -> EditRequest:
+    p, mask = spec.params, spec.tensors["mask"]
+    problem = mask_mismatch(mask.shape, tuple(source.frames.shape))
+    if problem:
+        raise MaskError(problem)
+    mask = mask.astype(np.float32) / 255 if mask.dtype == np.uint8 else np.array(mask)
+    return EditRequest(source, mask, prompt=p.get("prompt", ""), preset=p.get("preset", "replace"),
+                       strength=p.get("strength"), audio_mask=p.get("audio_mask"), steps=p.get("steps"),
+                       seed=p.get("seed", 0), loras=_loras(p))
+
+
+def extend_request(spec: JobSpec, source: Source) -> ExtendRequest:
+    p = spec.params
+    return ExtendRequest(source, seconds=p["seconds"], prompts=p.get("prompts") or [p["prompt"]],
+                         overlap_latents=p.get("overlap_latents", 7), window_seconds=p.get("window_seconds", 15.0),
+                         steps=p.get("steps"), seed=p.get("seed", 0), loras=_loras(p))
+
+
+def refine_request(spec: JobSpec, source: Source) -> RefineRequest:
+    p = spec.params
+    return RefineRequest(source, p["prompt"], scale=p.get("scale", 2.0), strength=p.get("strength", 0.5),
+                         steps=p.get("steps"), seed=p.get("seed", 0), loras=_loras(p))
+
+
+SOURCE_REQUESTS = {"edit": edit_request, "extend": extend_request, "refine": refine_request}  # H3Pipeline methods
 
 
 class JobRunner:
-    def __init__(self, ctx: RankContext, pipeline):
-        self.ctx, self.pipeline = ctx, pipeline
+    def __init__(self, ctx: RankContext, pipeline, models: ModelSource | None = None):
+        self.ctx, self.pipeline, self.models = ctx, pipeline, models  # models: where SeedVR2 comes from
+        self._upscaler: tuple[str, object] | None = None  # (model, SeedVR2Pipeline), loaded on first upscale
 
     def run(self, spec: JobSpec, cancel: threading.Event | None = None,
             on_step: Callable[[StepEvent], None] | None = None) -> GenerateResult:
@@ -73,12 +165,58 @@ class JobRunner:
                 on_step(event)
 
         try:
-            result = self.pipeline.generate(generate_request(spec), on_step=step_boundary)
+            result = self.execute(spec, step_boundary)
         except BaseException:
             agreement.at_end(failed=True)
             raise
         agreement.at_end(failed=False)
         return result
+
+    def execute(self, spec: JobSpec, on_step) -> GenerateResult:
+        if spec.task in ("t2va", "fl2va"):
+            return self.pipeline.generate(generate_request(spec), on_step=on_step)
+        source = job_source(spec)
+        if spec.task == "upscale":
+            return self.upscale(spec.params, source, on_step)
+        return getattr(self.pipeline, spec.task)(SOURCE_REQUESTS[spec.task](spec, source), on_step=on_step)
+
+    def upscaler(self, model: str):
+        """The SeedVR2 pipeline for `model`, loaded on first use; loading another size frees the first."""
+        if self._upscaler is None or self._upscaler[0] != model:
+            if self.models is None:
+                raise ProtocolError("unavailable", "This engine has no SeedVR2 models configured.")
+            self._upscaler = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            t0 = time.perf_counter()
+            self._upscaler = (model, load_upscaler(self.models, self.ctx, model))
+            log_event("upscaler.loaded", model=model, load_s=time.perf_counter() - t0)
+        return self._upscaler[1]
+
+    def upscale(self, p: dict, source: Source, on_step) -> GenerateResult:
+        """SeedVR2 on the source's frames; the sound and the exact frame rate are kept."""
+        t0 = time.perf_counter()
+        model = p.get("model", "3b")
+        pipe = self.upscaler(model)
+        frames = torch.as_tensor(np.asarray(source.frames))
+        out = pipe.upscale(frames, target_height=p.get("height"), target_width=p.get("width"), scale=p.get("scale"),
+                           resolution=p.get("resolution"), color_fix=p.get("color_fix", "wavelet"),
+                           seed=p.get("seed", 0), batch_frames=p.get("batch_frames"),
+                           overlap_frames=p.get("overlap_frames", 4), tiling=p.get("tiling", True), on_step=on_step)
+        audio = None if source.audio is None else torch.as_tensor(np.asarray(source.audio, dtype=np.float32))
+        notes = [f"SeedVR2 {model.upper()}: {frames.shape[2]}x{frames.shape[1]} upscaled to {out.shape[2]}x"
+                 f"{out.shape[1]}, {out.shape[0]} frames at {source.fps:g} fps"]
+        return GenerateResult(out, audio, int(source.sample_rate), source.fps, None, None, notes,
+                              {"total_s": time.perf_counter() - t0})
+
+    def describe(self) -> dict | None:
+        """The loaded models, for /v1/status."""
+        describe = getattr(self.pipeline, "describe", None)
+        models = describe() if describe is not None else None
+        if models is not None and self._upscaler is not None:
+            models = {**models, "upscaler": self._upscaler[1].describe()}
+        return models
 
     def shutdown(self) -> None:
         """Rank 0: releases the followers from their loop."""

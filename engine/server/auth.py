@@ -35,8 +35,9 @@ def load_or_create_token(path: Path) -> str:
     return token
 
 
-def token_matches(given: str | None, expected: str) -> bool:
-    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+def token_matches(given, expected: str) -> bool:
+    """Constant-time comparison; anything but a string (a hello's token may be any JSON value) does not match."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
 
 
 def request_token(request: web.Request) -> str | None:

@@ -46,9 +46,17 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tensor-mb", type=float, default=256, help="largest input tensor a client may send")
     p.add_argument("--result-ttl-min", type=float, default=60, help="how long finished results are kept")
     p.add_argument("--result-cache-gb", type=float, default=4, help="memory for kept results; oldest go first")
+    p.add_argument("--memory-cap-gb", type=float, default=_env_float("H3FORGE_MEMORY_CAP_GB"),
+                   help="refuse (as out of memory) a generation whose estimated working memory is over this, before "
+                        "it runs (default: $H3FORGE_MEMORY_CAP_GB, else no cap)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.add_argument(RANK_WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=run_serve)
+
+
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name, "").strip()
+    return float(value) if value else None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -72,7 +80,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         if ctx.rank == 0:
             return asyncio.run(serve(args, ctx, source))
-        follower_loop(JobRunner(ctx, load_pipeline(source, ctx)))
+        follower_loop(JobRunner(ctx, load_pipeline(source, ctx), source))
         return 0
     finally:
         close_ranks(ctx)
@@ -107,7 +115,8 @@ async def serve(args: argparse.Namespace, ctx, source) -> int:
 
     token_file = (args.token_file or protocol.default_token_file()).expanduser()
     store = ResultStore(ttl_s=args.result_ttl_min * 60, max_bytes=int(args.result_cache_gb * 2**30))
-    scheduler = Scheduler(lambda: JobRunner(ctx, load_pipeline(source, ctx)), store, max_queue=args.max_queue)
+    scheduler = Scheduler(lambda: JobRunner(ctx, load_pipeline(source, ctx), source), store, max_queue=args.max_queue,
+                          memory_cap_bytes=None if args.memory_cap_gb is None else int(args.memory_cap_gb * 2**30))
     service = EngineService(ctx, source, load_or_create_token(token_file),
                             protocol.Limits(max_tensor_bytes=int(args.max_tensor_mb * 2**20)), scheduler, store)
     runner = web.AppRunner(make_app(service), access_log=None, handle_signals=False)

@@ -206,12 +206,22 @@ class Connection:
             if pending.error is not None:
                 raise pending.error
             params = protocol.validate_task(msg.get("task"), msg.get("params", {}), pending.tensors)
-            spec = JobSpec(self.service.scheduler.new_job_id(), msg["task"], params, pending.tensors)
+            if params.get("loras") and self.service.source.models_dir is None:
+                raise ProtocolError("invalid_request", "This engine runs a preset and has no models folder, so it "
+                                                       "takes no LoRA files: start it with --models DIR (LoRA paths "
+                                                       "are read inside that folder only).")
+            source = self.service.store.source(params["source_job"]) if "source_job" in params else None
+            spec = JobSpec(self.service.scheduler.new_job_id(), msg["task"], params, pending.tensors, source)
             job, position = self.service.scheduler.submit(spec, self, bool(msg.get("mp4")))
         except ProtocolError as exc:
             log_event("request.rejected", logging.WARNING, peer=self.peer, type="submit", code=exc.code,
                       message=exc.message)
             self._reply_error(msg, exc)
+            return
+        except Exception as exc:  # a rule tripped over input it did not foresee: this submit fails, not the connection
+            log_event("request.failed", logging.ERROR, exc_info=exc, peer=self.peer, type="submit")
+            self._reply_error(msg, ProtocolError("bad_message", f"The engine could not read this submit "
+                                                                f"({type(exc).__name__}: {str(exc)[:200]})."))
             return
         self.send({"type": "accepted", "id": msg.get("id"), "job": job.id, "position": position})
 
@@ -243,7 +253,7 @@ def error_message(code: str, message: str, **fields) -> dict:
 
 async def result_message(finished: FinishedJob, mp4: bool) -> tuple[dict, list[tuple[str, np.ndarray]]]:
     meta = finished.meta()
-    tensors = [("frames", finished.frames), ("audio", finished.audio)]
+    tensors = [("frames", finished.frames)] + ([("audio", finished.audio)] if finished.audio is not None else [])
     if mp4:
         try:
             tensors.append(("mp4", np.frombuffer(await finished.mp4(), dtype=np.uint8)))

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import re
 import threading
 import time
+import traceback
 import uuid
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -18,15 +20,19 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from engine.models.h3.request import Cancelled, GenerateResult, StepEvent
+from engine.models.h3 import layout as L
+from engine.models.h3.request import Cancelled, GenerateResult
 from engine.protocol import ProtocolError
 from engine.runtime.agreement import PeerFailed
 from engine.runtime.jobs import JobRunner, JobSpec
 from engine.runtime.log import log_event
-from engine.server.preview import preview_jpeg
+from engine.server.preview import frame_jpeg, preview_jpeg
 from engine.server.store import FinishedJob, ResultStore
 
 PREVIEW_INTERVAL_S = 0.25  # at most 4 previews a second
+# Working memory of a t2va / fl2va job per output pixel (all frames): the decoded frames in float32 and uint8 plus
+# headroom for the VAE decoder. A cheap, generous estimate for --memory-cap-gb, not a measurement.
+WORKING_BYTES_PER_PIXEL = 16
 
 
 class Subscriber(Protocol):
@@ -63,6 +69,8 @@ class Job:
         if self.last_progress is not None:
             msg = self.last_progress[0]
             row.update(stage=msg["stage"], step=msg["step"], total=msg["total"], eta_s=msg["eta_s"])
+            if "detail" in msg:
+                row["detail"] = msg["detail"]
         if self.started_at is not None:
             row.update(started_at=self.started_at, elapsed_s=round(time.time() - self.started_at, 3))
         return row
@@ -77,7 +85,10 @@ def progress_message(job: str, stage: str, step: int = 0, total: int = 0, eta_s:
 class ProgressReporter:
     """The pipeline's step callback on rank 0 (runs on the pipeline thread): ETA from step times (plus the decode,
     estimated from the last job's decode time per latent voxel), a preview at most every PREVIEW_INTERVAL_S, and
-    the events handed to the event loop."""
+    the events handed to the event loop.
+
+    H3 steps (StepEvent) report stage "denoising", with the window ("window 2/4") of an extension as `detail`;
+    SeedVR2 batches (UpscaleStep, a finished batch's middle frame as preview) report stage "upscaling"."""
 
     def __init__(self, job: Job, loop: asyncio.AbstractEventLoop, decode_s_per_voxel: float):
         self.job, self.loop, self.decode_s_per_voxel = job, loop, decode_s_per_voxel
@@ -85,26 +96,44 @@ class ProgressReporter:
         self.first_step_at: float | None = None
         self.last_step_at = self.started
         self.last_preview_at = -float("inf")
+        self.steps_done = 0  # over all windows of an extension
 
-    def __call__(self, event: StepEvent) -> None:
+    def __call__(self, event) -> None:
         now = time.perf_counter()
         step_s, self.last_step_at = now - self.last_step_at, now
+        self.steps_done += 1
         if self.first_step_at is None:
             self.first_step_at = now
             per_step = now - self.started  # includes prompt encoding: a rough first guess
         else:
-            per_step = (now - self.first_step_at) / (event.step - 1)
+            per_step = (now - self.first_step_at) / (self.steps_done - 1)
+        latents = getattr(event, "video_x0", None)  # None: a SeedVR2 batch with a pixel preview
         preview = None
         if now - self.last_preview_at >= PREVIEW_INTERVAL_S:
-            preview, self.last_preview_at = preview_jpeg(event.video_x0), now
-        decode_s = self.decode_s_per_voxel * latent_voxels(event.video_x0)
-        eta = round(per_step * (event.total - event.step) + decode_s, 2)
-        msg = progress_message(self.job.id, "denoising", event.step, event.total, eta, preview is not None)
+            preview = preview_jpeg(latents) if latents is not None else frame_jpeg(event.preview)
+            self.last_preview_at = now
+        stage, extra, decode_s = "upscaling", {}, 0.0
+        if latents is not None:
+            stage, decode_s = "denoising", self.decode_s_per_voxel * latent_voxels(latents)
+            extra = {"detail": event.stage} if event.stage != "denoising" else {}
+        eta = round(per_step * steps_left(event) + decode_s, 2)
+        msg = progress_message(self.job.id, stage, event.step, event.total, eta, preview is not None, **extra)
         self.loop.call_soon_threadsafe(self.job.publish, msg, preview)
-        if event.step == event.total:
-            decoding = progress_message(self.job.id, "decoding", event.step, event.total, round(decode_s, 2) or None)
+        if latents is not None and event.step == event.total:
+            decoding = progress_message(self.job.id, "decoding", event.step, event.total, round(decode_s, 2) or None,
+                                        **extra)
             self.loop.call_soon_threadsafe(self.job.publish, decoding)
-        log_event("job.step", job=self.job.id, step=event.step, total=event.total, step_s=step_s)
+        log_event("job.step", job=self.job.id, stage=stage, step=event.step, total=event.total, step_s=step_s,
+                  **extra)
+
+
+def steps_left(event) -> int:
+    """Steps after this one, counting the windows of an extension still to come (stage "window k/K")."""
+    left = event.total - event.step
+    window = re.fullmatch(r"window (\d+)/(\d+)", getattr(event, "stage", ""))
+    if window:
+        left += (int(window.group(2)) - int(window.group(1))) * event.total
+    return left
 
 
 def latent_voxels(video_latents: torch.Tensor) -> int:
@@ -119,6 +148,34 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
+class OverMemoryCap(MemoryError):
+    """A job whose estimated working memory is over the engine's --memory-cap-gb; the message says what to reduce."""
+
+
+def check_memory_cap(spec: JobSpec, cap_bytes: int | None, pipeline) -> None:
+    """Raises OverMemoryCap before a t2va / fl2va job runs when its estimate (frames x canvas) is over the cap; a
+    canvas left to the aspect ratio counts as the model's largest."""
+    p = spec.params
+    if cap_bytes is None or spec.task not in ("t2va", "fl2va"):
+        return
+    max_pixels = pipeline.canvas.max_pixels
+    frames = L.align_num_frames(max(1, round(float(p.get("seconds", 5.0)) * L.FPS)))
+    pixels = p["width"] * p["height"] if "width" in p else max_pixels
+    canvas = f"{p['width']}x{p['height']}" if "width" in p else f"up to {max_pixels} pixels"
+    need = frames * pixels * WORKING_BYTES_PER_PIXEL
+    if need > cap_bytes:
+        raise OverMemoryCap(
+            f"Out of memory: this job needs about {need / 2**30:.2f} GB ({frames} frames at {canvas}) and this engine "
+            f"may use {cap_bytes / 2**30:.2f} GB per job (--memory-cap-gb). Ask for fewer seconds or a smaller "
+            f"width and height.")
+
+
+def failed_in_collective(exc: BaseException) -> bool:
+    """The exception came out of torch.distributed: a rank died or lost contact mid-job."""
+    return any(frame.f_globals.get("__name__", "").startswith("torch.distributed")
+               for frame, _ in traceback.walk_tb(exc.__traceback__))
+
+
 def describe_failure(exc: BaseException) -> tuple[str, str, str]:
     """(state, code, message for the artist) for an exception out of a job."""
     if isinstance(exc, Cancelled):
@@ -127,17 +184,25 @@ def describe_failure(exc: BaseException) -> tuple[str, str, str]:
         return "failed", exc.code, exc.message
     if isinstance(exc, ValueError):  # engine.models.h3.layout.LayoutError and other request rules
         return "failed", "invalid_request", str(exc)
+    if isinstance(exc, OverMemoryCap):
+        return "failed", "out_of_memory", str(exc)
     if is_out_of_memory(exc):
         return "failed", "out_of_memory", ("The engine ran out of memory on this job. Try fewer seconds, a smaller "
                                            "canvas, or an engine with more GPUs.")
     if isinstance(exc, PeerFailed):
         return "failed", "internal", f"internal engine error: {exc}"
+    if failed_in_collective(exc):
+        return "failed", "rank_lost", ("One of the engine's worker processes (ranks) stopped or lost contact during "
+                                       "this job. Run the prompt again: a bundled engine that stopped is started "
+                                       "again (restart a separately started one). The engine log says why.")
     return "failed", "internal", f"internal engine error: {type(exc).__name__}: {str(exc)[:200]}"
 
 
 class Scheduler:
-    def __init__(self, load_runner: Callable[[], JobRunner], store: ResultStore, max_queue: int = 32):
+    def __init__(self, load_runner: Callable[[], JobRunner], store: ResultStore, max_queue: int = 32,
+                 memory_cap_bytes: int | None = None):
         self.load_runner, self.store, self.max_queue = load_runner, store, max_queue
+        self.memory_cap_bytes = memory_cap_bytes  # per job, estimated before it runs (check_memory_cap)
         self.state = "loading"  # -> "ready" | "failed" | "stopping"
         self.runner: JobRunner | None = None
         self.queue: deque[Job] = deque()
@@ -197,9 +262,7 @@ class Scheduler:
             job.subscribers.pop(subscriber, None)
 
     def describe_models(self) -> dict | None:
-        pipeline = self.runner.pipeline if self.runner is not None else None
-        describe = getattr(pipeline, "describe", None)
-        return describe() if describe is not None else None
+        return self.runner.describe() if self.runner is not None else None
 
     # ---- the worker ------------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -231,6 +294,7 @@ class Scheduler:
         log_event("job.started", job=job.id, task=job.spec.task, waited_s=job.started_at - job.submitted_at)
         job.publish(progress_message(job.id, "starting"))
         try:
+            check_memory_cap(job.spec, self.memory_cap_bytes, self.runner.pipeline)
             result = await loop.run_in_executor(self._executor, self.runner.run, job.spec, job.cancel,
                                                 ProgressReporter(job, loop, self.decode_s_per_voxel))
         except Exception as exc:
@@ -247,14 +311,18 @@ class Scheduler:
         if error is None:
             if "decode_s" in result.timings:
                 self.decode_s_per_voxel = result.timings["decode_s"] / latent_voxels(result.video_latents)
-            finished = FinishedJob(**common, state="done", frames=result.frames.numpy(), audio=result.audio.numpy(),
-                                   sample_rate=int(result.sample_rate), fps=int(result.fps),
+            audio = result.audio.numpy() if result.audio is not None else None  # an upscaled silent clip
+            finished = FinishedJob(**common, state="done", frames=result.frames.numpy(), audio=audio,
+                                   sample_rate=int(result.sample_rate), fps=float(result.fps),
                                    video_latents=result.video_latents, audio_latents=result.audio_latents,
                                    notes=list(result.notes), timings=dict(result.timings))
         else:
+            if isinstance(error, Cancelled) and self.state == "stopping":  # close() stopped it, not the artist
+                error = ProtocolError("unavailable", "The engine shut down during this job; run it again once the "
+                                                     "engine is back.")
             state, code, message = describe_failure(error)
             finished = FinishedJob(**common, state=state, error_code=code, error_message=message)
-            if code == "internal":
+            if code in ("internal", "rank_lost"):
                 log_event("job.internal_error", logging.ERROR, exc_info=error, job=job.id)
             if code == "out_of_memory":
                 gc.collect()

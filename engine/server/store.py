@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.models.h3.request import Source
+from engine.protocol import ProtocolError
 from engine.runtime.log import log_event
 
 
@@ -29,9 +31,9 @@ class FinishedJob:
     error_code: str | None = None
     error_message: str | None = None
     frames: np.ndarray | None = None  # uint8 [F, H, W, 3]
-    audio: np.ndarray | None = None  # float32 [C, S]
+    audio: np.ndarray | None = None  # float32 [C, S]; None for a silent clip (an upscaled video without sound)
     sample_rate: int = 0
-    fps: int = 0
+    fps: float = 0.0  # 24 for H3 results; an upscale keeps its source's rate
     video_latents: torch.Tensor | None = None  # normalised [1, 24, T, h, w], CPU
     audio_latents: torch.Tensor | None = None  # normalised [2, 32, Ta], CPU
     notes: list[str] = field(default_factory=list)
@@ -86,6 +88,17 @@ class ResultStore:
     def get(self, job: str) -> FinishedJob | None:
         self.evict()
         return self._jobs.get(job)
+
+    def source(self, job: str) -> Source:
+        """A finished job's result as the source of a later task: frames, sound and latents, no decode/encode."""
+        finished = self.get(job)
+        if finished is None:
+            raise ProtocolError("unknown_job", f"No such job {job!r} on this engine (results are kept "
+                                               f"{self.ttl_s / 60:g} minutes): run it again, or send its video.")
+        if finished.state != "done":
+            raise ProtocolError("invalid_request", f"Job {job!r} {finished.state}; it has no result to start from.")
+        return Source(finished.frames, finished.fps, finished.audio, finished.sample_rate,
+                      finished.video_latents, finished.audio_latents)
 
     def recent(self, n: int = 20) -> list[FinishedJob]:
         self.evict()

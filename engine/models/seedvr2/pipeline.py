@@ -26,6 +26,8 @@ from engine.models.seedvr2.config import (
 )
 from engine.models.seedvr2.nadit import NaDiT, build_nadit
 from engine.models.seedvr2.vae import VideoVAE, build_vae, posterior_sample
+from engine.models.seedvr2.vae_parallel import ParallelVAE
+from engine.parallel import window_sp
 
 RESOLUTIONS = {"720p": 720, "1080p": 1080, "1440p": 1440, "2k": 1440, "2160p": 2160, "4k": 2160}
 RESIZE_MODES = ("side", "area")
@@ -97,6 +99,8 @@ class SeedVR2Pipeline:
     def __init__(self, dit: NaDiT, vae: VideoVAE, text: torch.Tensor, device: torch.device, name: str):
         self.dit, self.vae, self.device, self.name = dit, vae, device, name
         self.text = text.to(device)
+        # Ranks that share every batch (window-aligned SP for the DiT, temporal chunks for the VAE); None: this one.
+        self.group = None
 
     @classmethod
     def from_preset(cls, preset: str = "tiny", device: str | torch.device = "cpu", seed: int = 0
@@ -134,19 +138,22 @@ class SeedVR2Pipeline:
 
     # ---- one batch ---------------------------------------------------------------------------------------------
     def predict(self, vid: torch.Tensor) -> torch.Tensor:
-        """The DiT on [T, h, w, 33] -> v [T, h, w, 16] (sequence-parallel runners replace this)."""
+        """The DiT on [T, h, w, 33] -> v [T, h, w, 16]."""
+        if self.group is not None:
+            return window_sp.predict(self.dit, vid, self.text, TIMESTEP, self.group)
         return self.dit(vid, self.text, TIMESTEP)
 
     @torch.no_grad()
     def restore(self, video: torch.Tensor, seed: int = 0, tiling: bool = True) -> torch.Tensor:
         """video [3, 4n+1, H, W] in [-1, 1], H and W multiples of 16 -> restored video, same shape, fp32."""
         gen = torch.Generator().manual_seed(int(seed))
-        moments = self.vae.encode(video[None], tiling=tiling)
+        vae = self.vae if self.group is None else ParallelVAE(self.vae, self.group)
+        moments = vae.encode(video[None], tiling=tiling)
         latent = posterior_sample(moments, gen)[0].permute(1, 2, 3, 0) * LATENT_SCALE  # [T, h, w, 16]
         noise = torch.randn(latent.shape, generator=gen, dtype=torch.float32).to(latent.device)
         cond = torch.cat([noise, latent, torch.ones_like(latent[..., :1])], dim=-1)
         x0 = noise - self.predict(cond)
-        return self.vae.decode((x0 / LATENT_SCALE).permute(3, 0, 1, 2)[None], tiling=tiling)[0].float()
+        return vae.decode((x0 / LATENT_SCALE).permute(3, 0, 1, 2)[None], tiling=tiling)[0].float()
 
     # ---- clips ---------------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,117 @@
+"""VIDEO, MASK and results between ComfyUI and the engine: a VIDEO as the source of an engine task (its frames and
+sound, raw or as an MP4), a MASK as uint8, a job result as VIDEO / IMAGE / AUDIO outputs.
+
+Torch and the engine's media code are imported when a node runs (torch is always there inside ComfyUI), never
+when the pack loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+from . import comfy_compat as comfy
+
+PACK_ROOT = Path(__file__).resolve().parent.parent
+RAW_FRAMES_LIMIT = 64 * 2**20  # decoded clips above this travel as an MP4 (the engine takes tensors up to 256 MiB)
+MP4_CRF = 12  # near-lossless H.264 for those
+
+
+def engine_module(name: str):
+    """An engine module (e.g. engine.models.h3.mask), imported on first use. The pack's folder holds the `engine`
+    package, whose modules import each other by absolute name, so the folder must be importable."""
+    if str(PACK_ROOT) not in sys.path:
+        sys.path.append(str(PACK_ROOT))
+    return importlib.import_module(name)
+
+
+def images_to_uint8(images):
+    """A ComfyUI IMAGE batch [F, H, W, C] float 0..1 -> uint8 [F, H, W, 3] numpy."""
+    import torch
+
+    if images.ndim != 4 or images.shape[-1] not in (3, 4) or images.shape[0] == 0:
+        raise ValueError(f"H3Forge: expected video frames [frames, height, width, 3], got {tuple(images.shape)}")
+    rgb = images[..., :3].detach().to("cpu", torch.float32)
+    return (rgb.clamp(0, 1) * 255).round().to(torch.uint8).contiguous().numpy()
+
+
+def audio_samples(audio) -> tuple:
+    """A ComfyUI AUDIO dict -> (float32 [C, S] numpy with at most 2 channels, sample rate), or (None, None)."""
+    if audio is None:
+        return None, None
+    import torch
+
+    waveform = audio["waveform"]
+    waveform = waveform[0] if waveform.ndim == 3 else waveform
+    return waveform[:2].detach().to("cpu", torch.float32).contiguous().numpy(), int(audio["sample_rate"])
+
+
+def video_frames(video):
+    """(float frames [F, H, W, 3] 0..1, frame rate as a Fraction) of a VIDEO."""
+    parts = video.get_components()
+    return parts.images, Fraction(parts.frame_rate)
+
+
+def source_of(video) -> tuple[dict, dict]:
+    """(params, tensors) that send a VIDEO as an engine task's source, as ComfyUI decodes it (with any trim, crop
+    or rotation applied, so masks drawn on it line up): its frames and sound, raw when they are small, as a
+    near-lossless MP4 the engine decodes when they are not."""
+    import numpy as np
+
+    parts = video.get_components()
+    frames = images_to_uint8(parts.images)
+    audio, rate = audio_samples(parts.audio)
+    if frames.nbytes > RAW_FRAMES_LIMIT:
+        data = engine_module("engine.io.video").encode_mp4_bytes(frames, parts.frame_rate, audio,
+                                                                 rate or 32000, crf=MP4_CRF)
+        return {}, {"source_mp4": np.frombuffer(data, dtype=np.uint8)}
+    params, tensors = {"source_fps": float(parts.frame_rate)}, {"source_frames": frames}
+    if audio is not None:
+        params["source_sample_rate"], tensors["source_audio"] = rate, audio
+    return params, tensors
+
+
+def mask_batch(mask):
+    """A ComfyUI MASK ([H, W] or [B, H, W]) as float32 [B, H, W] on the CPU, checked to hold 0..1."""
+    import torch
+
+    mask = mask.detach().to("cpu", torch.float32)
+    mask = mask[None] if mask.ndim == 2 else mask
+    if mask.ndim != 3 or mask.shape[0] == 0:
+        raise ValueError(f"H3Forge: a mask must be [height, width] or [frames, height, width], got "
+                         f"{tuple(mask.shape)}")
+    if not torch.isfinite(mask).all() or mask.min() < 0 or mask.max() > 1:
+        raise ValueError("H3Forge: the mask must hold values from 0 (keep) to 1 (regenerate)")
+    return mask
+
+
+def mask_to_uint8(mask):
+    """A ComfyUI MASK -> uint8 0..255 numpy: [H, W] when one mask covers every frame, else [F, H, W]."""
+    import torch
+
+    batch = mask_batch(mask)
+    if bool((batch == batch[:1]).all()):
+        batch = batch[0]
+    return (batch * 255).round().to(torch.uint8).contiguous().numpy()
+
+
+def result_outputs(result) -> tuple:
+    """(VIDEO, IMAGE, AUDIO) of an engine JobResult. A silent result gets a silent AUDIO track of its length."""
+    import numpy as np
+    import torch
+
+    # The client's arrays are read-only views of the received buffers; these conversions make new arrays.
+    frames = torch.from_numpy(result.frames.astype(np.float32)).div_(255.0)
+    frame_rate = Fraction(result.fps).limit_denominator(1001)
+    if result.audio is not None:
+        audio = {"waveform": torch.from_numpy(result.audio.astype(np.float32)).unsqueeze(0),
+                 "sample_rate": int(result.sample_rate)}
+        sound = audio
+    else:
+        samples = round(frames.shape[0] / frame_rate * result.sample_rate)
+        audio, sound = {"waveform": torch.zeros(1, 2, samples), "sample_rate": int(result.sample_rate)}, None
+    video = comfy.VideoFromComponents(comfy.VideoComponents(images=frames, audio=sound, frame_rate=frame_rate))
+    return video, frames, audio
+
