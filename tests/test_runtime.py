@@ -31,8 +31,11 @@ def test_two_gloo_ranks_give_the_one_rank_result_and_agree_on_cancel(tmp_path):
         status = asyncio.run(client.status())
         assert status["engine"]["ranks"] == 2 and status["engine"]["backend"] == "gloo"
         two = asyncio.run(client.run("t2va", JOB))
-        assert torch.equal(torch.from_numpy(two.frames.copy()), torch.from_numpy(one.frames.copy()))
-        assert torch.equal(torch.from_numpy(two.audio.copy()), torch.from_numpy(one.audio.copy()))
+        # Two ranks split the sequence (Ulysses): the same result up to float rounding of the reduction order.
+        frames_two, frames_one = (torch.from_numpy(r.frames.copy()).float() for r in (two, one))
+        assert (frames_two - frames_one).abs().max() <= 2 and (frames_two - frames_one).abs().mean() < 0.05
+        assert torch.allclose(torch.from_numpy(two.audio.copy()), torch.from_numpy(one.audio.copy()), atol=1e-3)
+        assert status["models"]["parallel"] == "ulysses x2"
 
         async def cancel_then_next():
             cancel = asyncio.Event()

@@ -8,6 +8,7 @@ on rank 0 when the job is submitted), a video file's bytes (decoded here, on eve
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -23,6 +24,7 @@ from engine.models.h3.layout import LayoutError
 from engine.models.h3.mask import MaskError
 from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, GenerateRequest, GenerateResult,
                                       RefineRequest, Source, StepEvent)
+from engine.parallel import ulysses
 from engine.protocol import ProtocolError, mask_mismatch
 from engine.runtime.agreement import PeerFailed, StepAgreement
 from engine.runtime.log import log_event
@@ -55,8 +57,20 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
     from engine.models.h3.pipeline import H3Pipeline  # heavy (torch, diffusers): only inside the engine
 
     if source.preset:
-        return H3Pipeline.from_preset(source.preset, device=ctx.device)
-    return H3Pipeline.from_models(source.models_dir, device=ctx.device)
+        pipe = H3Pipeline.from_preset(source.preset, device=ctx.device)
+    else:
+        pipe = H3Pipeline.from_models(source.models_dir, device=ctx.device)
+    if ctx.world_size > 1:
+        pipe.adaln_cache.group = ctx.control  # every rank agrees on a hit before using its tables
+    return pipe
+
+
+def sequence_parallel(pipeline, ctx: RankContext):
+    """Ulysses over all ranks when the head count allows it; otherwise every rank runs the whole sequence."""
+    dit = getattr(pipeline, "dit", None)
+    if ctx.world_size > 1 and dit is not None and dit.config.num_attention_heads % ctx.world_size == 0:
+        return ulysses.parallel(ctx.group)
+    return contextlib.nullcontext()
 
 
 def load_upscaler(source: ModelSource, ctx: RankContext, model: str):
@@ -173,12 +187,13 @@ class JobRunner:
         return result
 
     def execute(self, spec: JobSpec, on_step) -> GenerateResult:
-        if spec.task in ("t2va", "fl2va"):
-            return self.pipeline.generate(generate_request(spec), on_step=on_step)
-        source = job_source(spec)
         if spec.task == "upscale":
-            return self.upscale(spec.params, source, on_step)
-        return getattr(self.pipeline, spec.task)(SOURCE_REQUESTS[spec.task](spec, source), on_step=on_step)
+            return self.upscale(spec.params, job_source(spec), on_step)
+        with sequence_parallel(self.pipeline, self.ctx):
+            if spec.task in ("t2va", "fl2va"):
+                return self.pipeline.generate(generate_request(spec), on_step=on_step)
+            source = job_source(spec)
+            return getattr(self.pipeline, spec.task)(SOURCE_REQUESTS[spec.task](spec, source), on_step=on_step)
 
     def upscaler(self, model: str):
         """The SeedVR2 pipeline for `model`, loaded on first use; loading another size frees the first."""
@@ -216,6 +231,10 @@ class JobRunner:
         models = describe() if describe is not None else None
         if models is not None and self._upscaler is not None:
             models = {**models, "upscaler": self._upscaler[1].describe()}
+        if models is not None and self.ctx.world_size > 1:
+            sp = sequence_parallel(self.pipeline, self.ctx)
+            models["parallel"] = (f"ulysses x{self.ctx.world_size}" if not isinstance(sp, contextlib.nullcontext)
+                                  else f"replicated on {self.ctx.world_size} ranks")
         return models
 
     def shutdown(self) -> None:

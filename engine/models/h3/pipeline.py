@@ -123,7 +123,9 @@ class H3Pipeline:
                 "dit": {"layers": c.num_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
                         "dtype": str(self.dit.dtype).removeprefix("torch.")},
                 "canvas": {"short_edge": self.canvas.short_edge, "max_pixels": self.canvas.max_pixels},
-                "default_steps": self.canvas.default_steps}
+                "default_steps": self.canvas.default_steps, "vsa_sparsity": self.vsa_sparsity,
+                "adaln_cache": self.adaln_cache.stats() if self.adaln_cache else None,
+                "prompt_cache": self.prompt_cache.stats()}
 
     # ---- request rules -------------------------------------------------------------------------------------
     def plan(self, req: GenerateRequest) -> tuple[int, int, int, int, list[str]]:
