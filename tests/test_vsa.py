@@ -218,3 +218,17 @@ def test_pipeline_sparsity_zero_is_dense_and_sparse_differs():
     pipe.vsa_sparsity = 0.0
     assert torch.equal(pipe.generate(req).video_latents, dense)
     assert not torch.equal(sparse, dense)
+
+
+def test_every_backend_available_on_cpu_agrees_with_sdpa():
+    from engine.kernels import attention as attn
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 77, 2, 32, generator=g) for _ in range(3))
+    reference = attn.sdpa(q, k, v)
+    names = attn.backends("cpu")
+    assert "flex" in names and "sdpa" in names
+    for name in names:
+        with attn.use_backend(name):
+            out = attn.attention(q, k, v)
+        assert torch.allclose(out, reference, atol=1e-5, rtol=1e-5), name

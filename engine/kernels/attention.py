@@ -48,6 +48,14 @@ def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return sdpa(q, k, v)
 
 
+@register("flex")
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
 def _fa3_available(device: torch.device) -> bool:
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
@@ -70,7 +78,7 @@ def fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def backends(device: torch.device | str = "cpu") -> list[str]:
     """Names of the backends usable on `device`, fastest first."""
     device = torch.device(device)
-    preference = ["fa3", "cudnn", "flex", "sdpa"]
+    preference = ["fa3", "cudnn", "flex", "sdpa"] if device.type == "cuda" else ["sdpa", "flex"]
     names = [n for n in preference if n in _BACKENDS] + [n for n in _BACKENDS if n not in preference]
     return [n for n in names if _AVAILABLE[n](device)]
 
@@ -85,6 +93,14 @@ def choose(device: torch.device | str) -> str:
     if device not in _auto:
         _auto[device] = backends(device)[0]
     return _auto[device]
+
+
+def set_backend(name: str | None) -> None:
+    """Force one backend for this process (the engine's --attention flag); None: choose per device."""
+    global _override
+    if name is not None and name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
+    _override = name
 
 
 @contextlib.contextmanager

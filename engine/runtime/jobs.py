@@ -24,6 +24,7 @@ from engine.models.h3.layout import LayoutError
 from engine.models.h3.mask import MaskError
 from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, GenerateRequest, GenerateResult,
                                       RefineRequest, Source, StepEvent)
+from engine.kernels import attention
 from engine.parallel import ulysses
 from engine.protocol import ProtocolError, mask_mismatch
 from engine.runtime.agreement import PeerFailed, StepAgreement
@@ -48,6 +49,8 @@ class JobSpec:
 class ModelSource:
     preset: str | None = None
     models_dir: str | None = None
+    attention: str | None = None  # force an attention backend (None: per device)
+    vsa_sparsity: float = 0.0  # H3 video sparse attention; 0 = dense
 
     def describe(self) -> str:
         return f"preset {self.preset}" if self.preset else f"models {self.models_dir}"
@@ -62,6 +65,8 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
         pipe = H3Pipeline.from_models(source.models_dir, device=ctx.device)
     if ctx.world_size > 1:
         pipe.adaln_cache.group = ctx.control  # every rank agrees on a hit before using its tables
+    attention.set_backend(source.attention)
+    pipe.vsa_sparsity = source.vsa_sparsity
     return pipe
 
 

@@ -49,6 +49,10 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-cap-gb", type=float, default=_env_float("H3FORGE_MEMORY_CAP_GB"),
                    help="refuse (as out of memory) a generation whose estimated working memory is over this, before "
                         "it runs (default: $H3FORGE_MEMORY_CAP_GB, else no cap)")
+    p.add_argument("--attention", choices=("auto", "fa3", "cudnn", "flex", "sdpa"), default="auto",
+                   help="attention kernel (auto: FA3 on Hopper when installed, else cuDNN on CUDA, SDPA on CPU)")
+    p.add_argument("--vsa-sparsity", type=float, default=0.0, metavar="S",
+                   help="H3 video sparse attention: fraction of video cubes skipped, e.g. 0.875 (0: dense)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.add_argument(RANK_WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=run_serve)
@@ -71,10 +75,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     ctx = init_ranks(args.device)
     setup_logging(ctx.rank, args.log_level)
+    if not 0 <= args.vsa_sparsity < 1:
+        raise SystemExit("--vsa-sparsity must be at least 0 and below 1 (e.g. 0.875).")
+    options = dict(attention=None if args.attention == "auto" else args.attention, vsa_sparsity=args.vsa_sparsity)
     if args.preset or args.models:
-        source = ModelSource(preset=args.preset, models_dir=args.models)
+        source = ModelSource(preset=args.preset, models_dir=args.models, **options)
     else:
-        source = ModelSource(preset="tiny")
+        source = ModelSource(preset="tiny", **options)
         log_event("engine.default_preset", note="no --models or $H3FORGE_MODELS: serving the tiny preset "
                                                 "(random weights, for demos and tests)")
     try:
