@@ -1,8 +1,9 @@
-"""MiniMax-H3 text/keyframes -> video + audio (t2va, fl2va), end to end.
+"""MiniMax-H3 end to end: the components, the shared stages, and t2va / fl2va.
 
-request -> canvas/frames rules -> conditioner -> keyframe latents -> packed layout -> Euler over the DiT
--> video VAE decode (uint8 on device) + audio VAE decode. Presets build every component offline from a seed
-(`tiny`); `from_models` loads real checkpoints from a models directory.
+request -> canvas/frames rules -> conditioner (prompt cache) -> keyframe latents -> packed layout -> the denoise
+loop (AdaLN cache, optional VSA) -> video VAE decode (uint8 on device) + audio VAE decode. Masked edit, extension
+and latent refine (edit.py, extend.py, refine.py) reuse these stages. Presets build every component offline from a
+seed (`tiny`); `from_models` loads real checkpoints from a models directory.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from engine.models.h3 import layout as L
 from engine.models.h3.checkpoint import load_dit
 from engine.models.h3.conditioner import Conditioner, build_tiny_conditioner
 from engine.models.h3.config import TINY, H3Config
+from engine.models.h3.denoise import Target, denoise
 from engine.models.h3.dit import H3DiT, build_dit
 from engine.models.h3.lora import load_lora, merge_lora, unmerge_lora
-from engine.models.h3.denoise import Target, denoise
 from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, GenerateRequest, GenerateResult,
                                       RefineRequest, StepEvent)
 from engine.models.h3.vae import AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae
