@@ -405,7 +405,7 @@ TASKS = tuple(TASK_SPECS)
 def validate_task(task: Any, params: Any, tensors: dict) -> dict:
     """Checks a submit's task, params and tensors against the task's rules; returns the params with their
     defaults left to the pipeline (only given keys). Deeper model rules (canvas, duration) are the pipeline's."""
-    if task not in TASK_SPECS:
+    if not isinstance(task, str) or task not in TASK_SPECS:  # `[] in dict` would raise TypeError
         _invalid(f"Unknown task {task!r}; this engine runs {', '.join(TASKS)}.")
     spec = TASK_SPECS[task]
     if not isinstance(params, dict):
