@@ -7,6 +7,7 @@ from .masks import (H3ForgeMaskFeather, H3ForgeMaskFrameRange, H3ForgeMaskGrow, 
                     H3ForgeMaskTrackBox)
 from .preview import H3ForgePreview
 from .t2v import H3ForgeTextToVideo
+from .upscale import H3ForgeUpscale
 
 NODE_CLASS_MAPPINGS = {
     "H3ForgeEngine": H3ForgeEngine,
@@ -18,6 +19,7 @@ NODE_CLASS_MAPPINGS = {
     "H3ForgeMaskTrackBox": H3ForgeMaskTrackBox,
     "H3ForgeMaskGrow": H3ForgeMaskGrow,
     "H3ForgeMaskFeather": H3ForgeMaskFeather,
+    "H3ForgeUpscale": H3ForgeUpscale,
     "H3ForgePreview": H3ForgePreview,
 }
 
@@ -31,10 +33,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "H3ForgeMaskTrackBox": "H3Forge Mask Track Box",
     "H3ForgeMaskGrow": "H3Forge Mask Grow",
     "H3ForgeMaskFeather": "H3Forge Mask Feather",
+    "H3ForgeUpscale": "H3Forge Upscale (SeedVR2 / H3 refine)",
     "H3ForgePreview": "H3Forge Preview",
 }
-
-from .upscale import NODE_CLASS_MAPPINGS as _UPSCALE, NODE_DISPLAY_NAME_MAPPINGS as _UPSCALE_NAMES  # noqa: E402
-
-NODE_CLASS_MAPPINGS.update(_UPSCALE)
-NODE_DISPLAY_NAME_MAPPINGS.update(_UPSCALE_NAMES)

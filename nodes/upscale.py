@@ -149,7 +149,3 @@ class H3ForgeUpscale:
             video = comfy.VideoFromComponents(comfy.VideoComponents(
                 images=frames, audio=video.get_components().audio, frame_rate=rate))
         return video, frames, audio, job
-
-
-NODE_CLASS_MAPPINGS = {"H3ForgeUpscale": H3ForgeUpscale}
-NODE_DISPLAY_NAME_MAPPINGS = {"H3ForgeUpscale": "H3Forge Upscale (SeedVR2 / H3 refine)"}
