@@ -5,6 +5,7 @@ mapping of whatever a job raises to an error an artist can read. No request can 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import re
@@ -198,6 +199,15 @@ def describe_failure(exc: BaseException) -> tuple[str, str, str]:
     return "failed", "internal", f"internal engine error: {type(exc).__name__}: {str(exc)[:200]}"
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the OS after a job (glibc keeps them otherwise, so a long-running engine's
+    RSS would only ever grow)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class Scheduler:
     def __init__(self, load_runner: Callable[[], JobRunner], store: ResultStore, max_queue: int = 32,
                  memory_cap_bytes: int | None = None):
@@ -303,6 +313,7 @@ class Scheduler:
             self._finish(job, result=result)
         finally:
             self.running = None
+            release_freed_memory()
 
     def _finish(self, job: Job, result: GenerateResult | None = None, error: BaseException | None = None) -> None:
         now = time.time()
