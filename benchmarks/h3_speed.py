@@ -16,48 +16,21 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import sys
 import time
-import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.report import RESULTS, log, save, stage  # noqa: E402
 from engine.io.convert import to_uint8_frames  # noqa: E402
 from engine.kernels import attention as attn  # noqa: E402
 from engine.kernels import vsa  # noqa: E402
 from engine.models.h3 import layout as L  # noqa: E402
 from engine.models.h3.config import FULL, NUM_MODALITIES, TEXT_TAG, TINY  # noqa: E402
 from engine.models.h3.dit import build_dit, rope_table  # noqa: E402
-
-RESULTS: dict = {}
-
-
-def log(msg):
-    print(msg, flush=True)
-
-
-def save(out: Path):
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(RESULTS, indent=1))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], out.name).write_text(json.dumps(RESULTS, indent=1))
-
-
-def stage(name, fn, out):
-    t0 = time.perf_counter()
-    try:
-        fn()
-    except Exception as error:  # a failed stage is recorded and the others still run
-        RESULTS[f"{name}_error"] = "".join(traceback.format_exception_only(error)).strip()[-600:]
-        log(traceback.format_exc())
-    RESULTS[f"{name}_wall_s"] = round(time.perf_counter() - t0, 1)
-    save(out)
-
 
 def timed(fn, sync, warmup=1, iters=3) -> float:
     for _ in range(warmup):

@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.report import RESULTS, log, save, stage  # noqa: E402
 from engine.kernels import attention as attn  # noqa: E402
 from engine.models.seedvr2.config import NADIT_3B, TINY_3B, TINY_VAE, VAE  # noqa: E402
 from engine.models.seedvr2.nadit import build_nadit  # noqa: E402
@@ -40,31 +38,6 @@ from engine.parallel import window_sp  # noqa: E402
 
 TEXT_LEN = 58  # rows of the released pos_emb.pt
 GiB = 2**30
-RESULTS: dict = {}
-
-
-def log(msg):
-    print(msg, flush=True)
-
-
-def save(out: Path):
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(RESULTS, indent=1))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], out.name).write_text(json.dumps(RESULTS, indent=1))
-
-
-def stage(name, fn, out):
-    t0 = time.perf_counter()
-    try:
-        fn()
-    except Exception as error:  # a failed stage is recorded and the others still run
-        RESULTS[f"{name}_error"] = "".join(traceback.format_exception_only(error)).strip()[-600:]
-        log(traceback.format_exc())
-    RESULTS[f"{name}_wall_s"] = round(time.perf_counter() - t0, 1)
-    save(out)
-
-
 def measure(fn, device, iters=1):
     """(seconds per call, activation peak in bytes above what was allocated before, result of the last call)."""
     cuda = device.type == "cuda"

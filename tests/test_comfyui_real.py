@@ -18,7 +18,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import struct
 import subprocess
 import tempfile
@@ -41,6 +40,7 @@ if not (Path(COMFYUI_DIR) / "main.py").is_file() or not (Path(COMFYUI_DIR) / "cu
     pytest.skip(f"COMFYUI_DIR={COMFYUI_DIR!r} is not a ComfyUI checkout (no main.py / custom_nodes)",
                 allow_module_level=True)
 
+from engine_fixture import free_port  # noqa: E402
 from test_pack_import import load_pack  # noqa: E402
 from workflow_check import widgets  # noqa: E402
 
@@ -50,12 +50,6 @@ LINK_NAME = "h3forge"
 START_TIMEOUT_S = 240
 RUN_TIMEOUT_S = 300
 STEPS, SECONDS = 3, 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
