@@ -71,7 +71,11 @@ def run_generate(args: argparse.Namespace) -> int:
     except (LayoutError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    write_mp4(args.out, result.frames, result.fps, result.audio, result.sample_rate)
+    if result.mp4 is not None:
+        with open(args.out, "wb") as f:
+            f.write(result.mp4)
+    else:
+        write_mp4(args.out, result.frames, result.fps, result.audio, result.sample_rate)
     F, H, W, _ = result.frames.shape
     print(f"wrote {args.out}: {F} frames {W}x{H} @ {result.fps} fps, audio {result.audio.shape[0]} ch "
           f"{result.audio.shape[1] / result.sample_rate:.2f} s @ {result.sample_rate} Hz "

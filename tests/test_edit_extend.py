@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.io.video import read_video
 from engine.models.h3 import layout as L
 from engine.models.h3.extend import AUDIO_PER_FRAME, plan_windows, window_layout
 from engine.models.h3.mask import MaskError
@@ -85,6 +86,11 @@ def test_bad_edit_requests(pipe, clip, kwargs, error, message):
     req = EditRequest(stored(clip), **{"prompt": "x", "steps": STEPS, **kwargs})
     with pytest.raises(error, match=message):
         pipe.edit(req)
+
+
+def test_edit_result_and_its_mp4_are_cut_back_to_the_source_frames(pipe, clip):
+    result = pipe.edit(EditRequest(Source(clip.frames[:120]), torch.ones(128, 224), prompt="a forest", steps=STEPS))
+    assert result.frames.shape[0] == 120 and read_video(result.mp4)[0].shape[0] == 120  # decoded 124, kept 120
 
 
 def test_bad_edit_sources(pipe, clip):
@@ -222,5 +228,6 @@ def test_latent_refine_upscales_and_keeps_the_sound(pipe, clip):
     assert result.video_latents.shape == (1, 24, 37, 16, 28)
     assert torch.equal(result.audio_latents, clip.audio_latents)
     assert any("refine steps" in n for n in result.notes)
+    assert read_video(result.mp4)[0].shape == (124, 256, 448, 3)
     with pytest.raises(L.LayoutError, match="x1.5 or x2"):
         pipe.refine(RefineRequest(stored(clip), prompt="x", scale=3))

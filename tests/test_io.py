@@ -1,4 +1,4 @@
-"""MP4 writing and reading through PyAV: stream layout, frame count, rate, size, lossy round trip."""
+"""MP4 writing and reading through PyAV: stream layout, frame count, rate, size, lossy round trip, streaming."""
 
 import io
 from fractions import Fraction
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.io.video import encode_mp4_bytes, read_video, write_mp4
+from engine.io.video import Mp4Encoder, encode_mp4_bytes, read_video, write_mp4
 
 H, W, F, SR = 128, 224, 22, 32000
 
@@ -79,3 +79,42 @@ def test_rejects_odd_sizes_and_bad_dtypes():
         encode_mp4_bytes(np.zeros((2, 32, 32, 3), np.float32))
     with pytest.raises(ValueError):
         encode_mp4_bytes(np.zeros((2, 32, 32, 3), np.uint8), audio=np.zeros((3, 100), np.float32))
+
+
+def test_streamed_chunks_decode_like_write_mp4(tmp_path):
+    frames, audio = moving_gradient(), tones(round(F / 24 * SR))
+    whole = tmp_path / "whole.mp4"
+    write_mp4(whole, frames, audio=audio)
+    streamed = tmp_path / "streamed.mp4"
+    with Mp4Encoder(streamed, 24, torch.from_numpy(audio), SR) as encoder:
+        for chunk in (frames[:5], torch.from_numpy(frames[5:14]), frames[14:]):  # uneven, torch or numpy
+            encoder.add(chunk)
+        size = encoder.close()
+    assert encoder.codec == "libx264" and size == streamed.stat().st_size
+    out, fps, sound, rate = read_video(streamed)
+    ref, ref_fps, ref_sound, ref_rate = read_video(whole)
+    assert out.shape == ref.shape == (F, H, W, 3) and fps == ref_fps == 24 and rate == ref_rate == SR
+    assert sound.shape == ref_sound.shape
+    assert np.abs(out.astype(np.int16) - frames).mean() < 2.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="NVENC may open where there is a GPU")
+@pytest.mark.parametrize("codec", ["h264_nvenc", "auto"])
+def test_nvenc_falls_back_to_libx264_where_it_does_not_open(codec):
+    buffer = io.BytesIO()
+    with Mp4Encoder(buffer, codec=codec) as encoder:
+        encoder.add(moving_gradient(3, 32, 32))
+    assert encoder.codec == "libx264"
+    assert read_video(buffer.getvalue())[0].shape == (3, 32, 32, 3)
+
+
+def test_encoder_thread_errors_surface_from_close():
+    encoder = Mp4Encoder(io.BytesIO())
+    encoder.add(moving_gradient(3, 32, 32))
+    encoder.add(moving_gradient(2, 64, 32))  # queued fine; the encoder thread finds the size change
+    with pytest.raises(ValueError, match="frame size changed from 32x32 to 32x64"):
+        encoder.close()
+    with pytest.raises(ValueError, match="frame size changed"):
+        encoder.add(moving_gradient(1, 32, 32))
+    with pytest.raises(ValueError, match="no frames"):
+        Mp4Encoder(io.BytesIO()).close()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from engine.io.video import read_video
 from engine.models.h3.layout import LayoutError
 from engine.models.h3.pipeline import GenerateRequest, H3Pipeline
 
@@ -30,6 +31,10 @@ def test_t2va_shapes_progress_and_determinism(pipe):
     assert result.video_latents.shape == (1, 24, 37, 8, 14)
     assert result.audio_latents.shape == (2, 32, 207)
     assert result.frames.float().std() > 0 and torch.isfinite(result.audio).all()
+    frames, fps, audio, rate = read_video(result.mp4)  # encoded while the video VAE decoded
+    assert frames.shape == tuple(result.frames.shape) and fps == 24 and rate == 32000
+    assert abs(audio.shape[1] - result.audio.shape[1]) <= 1024  # AAC frames are 1024 samples
+    assert "mp4_s" in result.timings and result.notes[-1] == "MP4 encoded with libx264"
     again = pipe.generate(req)
     assert torch.equal(again.video_latents, result.video_latents)
     assert torch.equal(again.audio_latents, result.audio_latents)

@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from engine import protocol
+from engine.io.video import read_video
 from engine.models.h3.layout import LayoutError
 from engine.models.h3.request import Cancelled
 from engine.runtime.agreement import PeerFailed
@@ -73,6 +74,7 @@ def test_t2va_job_streams_progress_and_returns_video_and_audio(engine):
                                      on_progress=events.append))
     check_result(result)
     assert result.meta["notes"] and "124 frames" in result.meta["notes"][0]
+    assert not any(n.startswith("MP4 encoded") for n in result.meta["notes"])  # nobody asked for it: not encoded
     denoising = [e for e in events if e.stage == "denoising"]
     assert sorted({e.step for e in denoising}) == [1, 2, 3] and all(e.total == 3 for e in denoising)
     assert all(e.eta_s is not None and e.eta_s >= 0 for e in denoising)
@@ -96,6 +98,14 @@ def test_finished_result_mp4_over_websocket_and_http(engine):
         "Authorization": f"Bearer {engine.token}", "Range": "bytes=0-99"})
     with urllib.request.urlopen(request) as response:
         assert response.status == 206 and response.read() == result.mp4[:100]
+
+
+def test_mp4_asked_at_submit_is_encoded_during_the_decode(engine):
+    result = run(engine.client().run("t2va", {"prompt": "rain on a tin roof", "steps": 2, **SMALL}, mp4=True))
+    check_result(result)
+    assert "MP4 encoded with libx264" in result.meta["notes"] and "mp4_s" in result.meta["timings"]
+    frames, fps, audio, rate = read_video(result.mp4)
+    assert frames.shape == result.frames.shape and fps == 24 and rate == SAMPLE_RATE
 
 
 def test_cancel_stops_a_running_job_and_the_engine_serves_the_next(engine):

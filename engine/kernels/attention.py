@@ -7,6 +7,7 @@ Backends register themselves here so the models never hard-code a kernel.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import torch
@@ -44,16 +45,27 @@ def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # SDPA's default pick on Hopper is the FA2-based flash kernel (~355 TFLOP/s); cuDNN reaches ~620.
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+    # Flash takes the shapes cuDNN rejects; fp32 (the tiny preset on a GPU) has only the efficient and math kernels.
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                      SDPBackend.MATH]):
         return sdpa(q, k, v)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 @register("flex")
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # Uncompiled, flex materialises the whole score matrix (S = 109 126 would need 298 GiB); compiled it is a fused
+    # Triton kernel. The CPU keeps the eager path (no C++ compile for the small CPU shapes).
     from torch.nn.attention.flex_attention import flex_attention
 
-    out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return out.transpose(1, 2)
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    return fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
 def _fa3_available(device: torch.device) -> bool:

@@ -43,6 +43,7 @@ class JobSpec:
     params: dict
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     source: Source | None = None  # the stored result named by params["source_job"], resolved on rank 0
+    mp4: bool = False  # the submitter wants the MP4: rank 0 encodes it while the VAE decodes
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ class JobRunner:
     def execute(self, spec: JobSpec, on_step) -> GenerateResult:
         if spec.task == "upscale":
             return self.upscale(spec.params, job_source(spec), on_step)
+        self.pipeline.encode_mp4 = spec.mp4 and self.ctx.rank == 0
         with sequence_parallel(self.pipeline, self.ctx):
             if spec.task in ("t2va", "fl2va"):
                 return self.pipeline.generate(generate_request(spec), on_step=on_step)

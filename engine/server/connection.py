@@ -211,8 +211,9 @@ class Connection:
                                                        "takes no LoRA files: start it with --models DIR (LoRA paths "
                                                        "are read inside that folder only).")
             source = self.service.store.source(params["source_job"]) if "source_job" in params else None
-            spec = JobSpec(self.service.scheduler.new_job_id(), msg["task"], params, pending.tensors, source)
-            job, position = self.service.scheduler.submit(spec, self, bool(msg.get("mp4")))
+            spec = JobSpec(self.service.scheduler.new_job_id(), msg["task"], params, pending.tensors, source,
+                           mp4=bool(msg.get("mp4")))
+            job, position = self.service.scheduler.submit(spec, self, spec.mp4)
         except ProtocolError as exc:
             log_event("request.rejected", logging.WARNING, peer=self.peer, type="submit", code=exc.code,
                       message=exc.message)

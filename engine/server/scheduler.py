@@ -323,10 +323,14 @@ class Scheduler:
             if "decode_s" in result.timings:
                 self.decode_s_per_voxel = result.timings["decode_s"] / latent_voxels(result.video_latents)
             audio = result.audio.numpy() if result.audio is not None else None  # an upscaled silent clip
+            mp4 = None
+            if result.mp4 is not None:  # encoded during the decode; extend and upscale leave it to `mp4()`
+                mp4 = asyncio.get_running_loop().create_future()
+                mp4.set_result(result.mp4)
             finished = FinishedJob(**common, state="done", frames=result.frames.numpy(), audio=audio,
                                    sample_rate=int(result.sample_rate), fps=float(result.fps),
                                    video_latents=result.video_latents, audio_latents=result.audio_latents,
-                                   notes=list(result.notes), timings=dict(result.timings))
+                                   notes=list(result.notes), timings=dict(result.timings), _mp4=mp4)
         else:
             if isinstance(error, Cancelled) and self.state == "stopping":  # close() stopped it, not the artist
                 error = ProtocolError("unavailable", "The engine shut down during this job; run it again once the "

@@ -38,7 +38,7 @@ class FinishedJob:
     audio_latents: torch.Tensor | None = None  # normalised [2, 32, Ta], CPU
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    _mp4: "asyncio.Task[bytes] | None" = field(default=None, repr=False)
+    _mp4: "asyncio.Future[bytes] | None" = field(default=None, repr=False)  # done already if the job encoded it
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +67,7 @@ class FinishedJob:
         return row
 
     async def mp4(self) -> bytes:
-        """H.264 + AAC MP4 of the result, encoded on first use (off the event loop) and kept."""
+        """H.264 + AAC MP4 of the result: the job's own, or encoded on first use (off the event loop) and kept."""
         if self._mp4 is None:
             from engine.io.video import encode_mp4_bytes
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.kernels import fused
 from engine.kernels.attention import attention
 from engine.models.h3.config import NUM_MODALITIES, H3Config
 from engine.parallel import ulysses
@@ -46,17 +47,6 @@ def rope_table(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torc
     return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half on the leading `cos.shape[-1]` channels of every head of x [B, S, H, D]; the rest pass."""
-    r = cos.shape[-1]
-    rot, rest = x[..., :r], x[..., r:]
-    cos = cos.to(x.dtype)[None, :, None, :]
-    sin = sin.to(x.dtype)[None, :, None, :]
-    x1, x2 = rot.chunk(2, dim=-1)
-    rot = rot * cos + torch.cat([-x2, x1], dim=-1) * sin
-    return torch.cat([rot, rest], dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, c: H3Config):
         super().__init__()
@@ -68,10 +58,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attend=attention) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).unflatten(-1, (3, self.heads, -1)).unbind(2)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = fused.qk_norm_rope(self.qkv_proj(x), self.heads, self.q_norm, self.k_norm, rope)
         out = attend(q, k, v).flatten(2).type_as(q)
         return self.out_proj(out)
 
@@ -83,8 +70,7 @@ class SwiGLU(nn.Module):
         self.fc2 = nn.Linear(c.ffn_dim, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, value = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * value)
+        return self.fc2(fused.swiglu(self.fc1(x)))
 
 
 class RefinerBlock(nn.Module):
@@ -138,12 +124,13 @@ class Block(nn.Module):
         self.adaln_proj = AdaLNProjection(c)
 
     def forward(self, x, mods, rows, rope, attend=attention):
-        """`mods` are this block's six AdaLN tables; `rows` the per-row table address."""
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (m.index_select(0, rows) for m in mods)
-        h = self.norm1(x) * (1.0 + scale_msa) + shift_msa
-        x = x + gate_msa * self.attn(h, rope, attend)
-        h = self.norm2(x) * (1.0 + scale_mlp) + shift_mlp
-        return x + gate_mlp * self.mlp(h)
+        """`mods` are this block's six AdaLN tables; `rows` the per-row table address (fused.py reads the tables
+        in place: h = norm(x) * (1 + scale[rows]) + shift[rows], x += gate[rows] * sublayer(h))."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods
+        h = fused.modulated_rms_norm(x, self.norm1, shift_msa, scale_msa, rows)
+        y = self.attn(h, rope, attend)
+        x, h = fused.gated_residual_norm(x, y, gate_msa, rows, self.norm2, shift_mlp, scale_mlp)
+        return fused.gated_residual(x, self.mlp(h), gate_mlp, rows)
 
 
 class TimeEmbedder(nn.Module):

@@ -84,8 +84,8 @@ def run_edit(pipe, req: EditRequest, on_step=None) -> GenerateResult:
     video_latents = L.unpatchify(video_rows, T, h, w, cfg.patch_size)
     audio_latents_out = L.unpack_audio(audio_rows)[0]
     t_dec = time.perf_counter()
-    pixels, waveform = pipe.decode(video_latents, audio_latents_out, source_frames)
-    timings = {"denoise_s": t_dec - t_loop, "decode_s": time.perf_counter() - t_dec,
-               "total_s": time.perf_counter() - t0}
+    timings = {"denoise_s": t_dec - t_loop}
+    pixels, waveform, mp4 = pipe.decode(video_latents, audio_latents_out, source_frames, timings, notes)
+    timings |= {"decode_s": time.perf_counter() - t_dec, "total_s": time.perf_counter() - t0}
     return GenerateResult(pixels, waveform, pipe.audio_vae.sample_rate, L.FPS, video_latents.cpu(),
-                          audio_latents_out.cpu(), notes, timings)
+                          audio_latents_out.cpu(), notes, timings, mp4)

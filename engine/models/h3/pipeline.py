@@ -1,14 +1,15 @@
 """MiniMax-H3 end to end: the components, the shared stages, and t2va / fl2va.
 
 request -> canvas/frames rules -> conditioner (prompt cache) -> keyframe latents -> packed layout -> the denoise
-loop (AdaLN cache, optional VSA) -> video VAE decode (uint8 on device) + audio VAE decode. Masked edit, extension
-and latent refine (edit.py, extend.py, refine.py) reuse these stages. Presets build every component offline from a
-seed (`tiny`); `from_models` loads real checkpoints from a models directory.
+loop (AdaLN cache, optional VSA) -> audio VAE decode + video VAE decode, streamed chunk by chunk into the MP4
+encoder. Masked edit, extension and latent refine (edit.py, extend.py, refine.py) reuse these stages. Presets
+build every component offline from a seed (`tiny`); `from_models` loads real checkpoints from a models directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from PIL import Image
 
 from engine.cache.adaln import AdaLNCache
 from engine.cache.prompt import PromptCache, prompt_key
+from engine.io.video import Mp4Encoder
 from engine.kernels import vsa
 from engine.models.h3 import layout as L
 from engine.models.h3.checkpoint import load_dit
@@ -90,6 +92,7 @@ class H3Pipeline:
         self.prompt_cache = PromptCache()
         self.vsa_sparsity = 0.0  # fraction of video cubes each video query cube skips (0.875 = top 1/8)
         self.vsa_gates = None  # trained `to_gate_compress` weights per attention module (FastH3 VSA checkpoints)
+        self.encode_mp4 = True  # encode the result's MP4 while the VAE decodes (GenerateResult.mp4)
 
     @classmethod
     def from_preset(cls, preset: str = "tiny", device: str | torch.device = "cpu", seed: int = 0,
@@ -236,11 +239,35 @@ class H3Pipeline:
     def noise(self, gen: torch.Generator, *shape) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(self.device)
 
-    def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor,
-               frames: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pixels = self.video_vae.decode(video_latents)[:frames]
-        waveform = self.audio_vae.decode(audio_latents)
-        return pixels.cpu(), waveform[:, : round(frames / L.FPS * self.audio_vae.sample_rate)].float().cpu()
+    def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor, frames: int,
+               timings: dict[str, float], notes: list[str]) -> tuple[torch.Tensor, torch.Tensor, bytes | None]:
+        """Latents -> (uint8 frames [frames, H, W, 3], float32 audio [2, S], the MP4 of both or None), on the CPU.
+
+        With `encode_mp4` the sound decodes first (it is small) so the MP4 encoder has it from the start; then each
+        video VAE chunk goes to the encoder as it comes, and encoding overlaps decoding. `timings` gains mp4_s (the
+        wait for the encoder after the last chunk), `notes` the H.264 encoder used.
+        """
+        rate = self.audio_vae.sample_rate
+        waveform = self.audio_vae.decode(audio_latents)[:, : round(frames / L.FPS * rate)].float().cpu()
+        buffer, chunks, left = io.BytesIO(), [], frames
+        codec = "auto" if self.device.type == "cuda" else "libx264"
+        encoder = Mp4Encoder(buffer, L.FPS, waveform, rate, codec=codec) if self.encode_mp4 else None
+        with encoder or contextlib.nullcontext():
+            for chunk in self.video_vae.decode_chunks(video_latents):
+                chunk = chunk[:left]
+                if encoder is not None:
+                    encoder.add(chunk)
+                chunks.append(chunk)
+                left -= chunk.shape[0]
+                if not left:
+                    break
+            if encoder is None:
+                return torch.cat(chunks), waveform, None
+            t_mp4 = time.perf_counter()
+            encoder.close()
+        timings["mp4_s"] = time.perf_counter() - t_mp4
+        notes.append(f"MP4 encoded with {encoder.codec}")
+        return torch.cat(chunks), waveform, buffer.getvalue()
 
     def _generate(self, req, frames, height, width, steps, notes, keyframes, images, on_step) -> GenerateResult:
         timings, t0 = {}, time.perf_counter()
@@ -271,11 +298,11 @@ class H3Pipeline:
         t_dec = time.perf_counter()
         video_latents = L.unpatchify(video_rows, T, h, w, cfg.patch_size)
         audio_latents = L.unpack_audio(audio_rows)[0]
-        pixels, waveform = self.decode(video_latents, audio_latents, frames)
+        pixels, waveform, mp4 = self.decode(video_latents, audio_latents, frames, timings, notes)
         timings["decode_s"] = time.perf_counter() - t_dec
         timings["total_s"] = time.perf_counter() - t0
         return GenerateResult(pixels, waveform, self.audio_vae.sample_rate, L.FPS,
-                              video_latents.cpu(), audio_latents.cpu(), notes, timings)
+                              video_latents.cpu(), audio_latents.cpu(), notes, timings, mp4)
 
     # ---- other tasks ---------------------------------------------------------------------------------------------
     def edit(self, req: EditRequest, on_step=None) -> GenerateResult:

@@ -83,8 +83,10 @@ def run_refine(pipe, req: RefineRequest, on_step=None) -> GenerateResult:
     video_rows, audio_rows = pipe.run_denoise(layout, text, video, audio, points, on_step, (T, h, w), start=start)
     video_latents = L.unpatchify(video_rows, T, h, w, cfg.patch_size)
     audio_out = L.unpack_audio(audio_rows)[0]
-    pixels, waveform = pipe.decode(video_latents, audio_out, source_frames)
     notes.append(f"latents upscaled x{req.scale:g} to {width}x{height}, re-noised to sigma {sigma0:.3f}, "
                  f"{points - 1 - start} refine steps")
+    timings = {}
+    pixels, waveform, mp4 = pipe.decode(video_latents, audio_out, source_frames, timings, notes)
+    timings["total_s"] = time.perf_counter() - t0
     return GenerateResult(pixels, waveform, pipe.audio_vae.sample_rate, L.FPS, video_latents.cpu(), audio_out.cpu(),
-                          notes, {"total_s": time.perf_counter() - t0})
+                          notes, timings, mp4)

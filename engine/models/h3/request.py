@@ -107,3 +107,4 @@ class GenerateResult:
     audio_latents: torch.Tensor  # normalised [2, 32, Ta], CPU
     notes: list[str] = field(default_factory=list)  # what was snapped, e.g. "5.2 s snapped to 124 frames"
     timings: dict[str, float] = field(default_factory=dict)
+    mp4: bytes | None = None  # the H.264 + AAC file of frames and audio, when encoded during the decode

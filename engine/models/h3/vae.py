@@ -1,10 +1,10 @@
 """MiniMax-H3 video and audio VAEs (specs/h3.md §3) over diffusers' `AutoencoderKLMiniMaxH3{,Audio}`.
 
 The wrappers own what the pipeline does around the autoencoders: per-channel latent normalisation, the
-ImageNet pixel convention, the keyframe/reference encode recipe, tiled decode, fp16 autocast on CUDA, the
-uint8 conversion on the device, and stereo-as-batch audio. Loading: the diffusers layout (`vae/`,
-`audio_vae/`), the original MiniMax layout (`video_vae/` + `source/`, `audio_vae/` + `metadata.json`), and
-the `tiny` preset (same architectures at tiny width, weights from a fixed seed, no files).
+ImageNet pixel convention, the keyframe/reference encode recipe, tiled decode streamed chunk by chunk, fp16
+autocast on CUDA, the uint8 conversion on the device, and stereo-as-batch audio. Loading: the diffusers layout
+(`vae/`, `audio_vae/`), the original MiniMax layout (`video_vae/` + `source/`, `audio_vae/` + `metadata.json`),
+and the `tiny` preset (same architectures at tiny width, weights from a fixed seed, no files).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 
 from engine.io.convert import to_uint8_frames
 from engine.models.h3.checkpoint import deinterleave_qkv, swap_halves
-from engine.models.h3.layout import LATENTS_PER_CHUNK, latent_frames
+from engine.models.h3.layout import CLIP_LENGTH, LATENTS_PER_CHUNK, latent_frames
 
 # Spec §3.1, exactly as published.
 VIDEO_LATENTS_MEAN = (
@@ -305,29 +305,63 @@ class VideoVAE(nn.Module):
         """uint8 [H, W, 3] -> normalised latents [1, 24, 1, H/16, W/16] (spatial encoder only)."""
         return self.encode_frames(torch.as_tensor(image_uint8)[None], generator_seed)
 
-    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised latents [1, 24, T, h, w] -> uint8 frames [F, H, W, 3] on the latents' device.
+        """Normalised latents [1, 24, T, h, w] -> uint8 frames [F, H, W, 3] on the CPU: `decode_chunks`, joined."""
+        return torch.cat(list(self.decode_chunks(latents)))
 
-        Tiled and temporally chunked by diffusers; fp16 autocast over the fp32 weights on CUDA (the reference
-        recipe), fp32 elsewhere. T = 5n + 2 gives F = 17n + 5.
+    @torch.no_grad()
+    def decode_chunks(self, latents: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Normalised latents [1, 24, T, h, w] -> uint8 frames [n, H, W, 3] on the CPU, one VAE chunk at a time.
+
+        diffusers' `_decode` loop, yielding each chunk once it is final (cross-faded with the next clip's head) so
+        a consumer (the MP4 encoder) works while the next one decodes; joined, they are diffusers' `decode`
+        exactly. Tiled as diffusers tiles; fp16 autocast over the fp32 weights on CUDA (the reference recipe), fp32
+        elsewhere. T = 5n + 2 gives F = 17n + 5: n chunks of 17 frames, then 5.
         """
         if latents.dim() != 5 or latents.shape[0] != 1:
             raise ValueError(f"expected latents [1, C, T, h, w], got {tuple(latents.shape)}")
         if latents.shape[2] % LATENTS_PER_CHUNK != 2:
             raise ValueError(f"the video VAE decodes 5n + 2 latent frames, got {latents.shape[2]}")
         z = latents.to(self.device, torch.float32) * self.latents_std + self.latents_mean
-        num_latents = z.shape[2]
-        if num_latents == 2:
+        left = (z.shape[2] - 2) // LATENTS_PER_CHUNK * CLIP_LENGTH + LATENTS_PER_CHUNK
+        if z.shape[2] == 2:
             # diffusers' chunk loop decodes nothing for n = 0 (5 frames): repeat the last latent up to one full
             # window (7 latents -> 22 frames) and keep the 5 frames of the first two latents.
             z = torch.cat([z, z[:, :, -1:].expand(-1, -1, 5, -1, -1)], dim=2)
-        with torch.autocast("cuda", dtype=torch.float16, enabled=z.device.type == "cuda"):
-            video = self.model.decode(z, return_dict=False)[0]
-        if num_latents == 2:
-            video = video[:, :, :LATENTS_PER_CHUNK]
-        video = video.float().mul_(self.pixel_std).add_(self.pixel_mean)  # the decoder's output is ours to reuse
-        return to_uint8_frames(video).to(latents.device)
+        for chunk in self._decoded_chunks(z):
+            frames = self._host_frames(chunk[:, :, :left])
+            left -= frames.shape[0]
+            yield frames
+            if not left:
+                return
+
+    def _decoded_chunks(self, z: torch.Tensor) -> Iterator[torch.Tensor]:
+        """diffusers' `_decode` loop over denormalised latents, one final chunk [1, 3, n, H, W] at a time (5n + 2
+        latents are n whole chunks once the dropped tokens are counted: no tail padding to cut)."""
+        model = self.model
+        size, pre = model.tokens_chunk_size, model.frame_pre_padding
+        span = size * model.temporal_compression_ratio
+        overlap = None
+        for i in range((z.shape[2] + model.config.token_drop) // size - 1):
+            with torch.autocast("cuda", dtype=torch.float16, enabled=z.device.type == "cuda"):
+                clip = model._decode_clip(z[:, :, i * size:(i + 1) * size + model.token_overlap])
+                chunk = clip[:, :, pre:span]
+                if overlap is not None:
+                    chunk = model._blend(overlap, chunk, model.frame_overlap, dim=-3)
+            # Past its chunk the clip decodes the head of the next one, cross-faded into the next clip's.
+            overlap = clip[:, :, span + pre:2 * span]
+            yield chunk
+        yield overlap
+
+    def _host_frames(self, video: torch.Tensor) -> torch.Tensor:
+        """Decoder output [1, 3, n, H, W] -> uint8 [n, H, W, 3] on the CPU (via pinned memory from CUDA)."""
+        frames = to_uint8_frames(video.float() * self.pixel_std + self.pixel_mean)
+        if not frames.is_cuda:
+            return frames
+        host = torch.empty(frames.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(frames, non_blocking=True)
+        torch.cuda.current_stream(frames.device).synchronize()  # the consumer reads it at once
+        return host
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "VideoVAE":
