@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import queue
@@ -160,7 +161,7 @@ class Mp4Encoder:
 
     def _add_video(self, container, width: int, height: int):
         codec = self._preferred
-        if codec != "libx264" and not _opens(codec, width, height, self.rate, self._options(codec)):
+        if codec != "libx264" and not _opens(codec, width, height, self.rate, tuple(self._options(codec).items())):
             codec = "libx264"
         self.codec = codec
         video = container.add_stream(codec, rate=self.rate)
@@ -187,12 +188,13 @@ class Mp4Encoder:
         container.mux(sound.encode(chunk))
 
 
-def _opens(codec: str, width: int, height: int, rate: Fraction, options: dict[str, str]) -> bool:
+@functools.cache  # once per process and stream shape: a failed NVENC probe costs ~0.5 s (no NVENC on the H200)
+def _opens(codec: str, width: int, height: int, rate: Fraction, options: tuple[tuple[str, str], ...]) -> bool:
     """Whether this FFmpeg has `codec` and it opens here for the stream (NVENC needs the hardware and driver)."""
     try:
         ctx = av.CodecContext.create(codec, "w")
         ctx.width, ctx.height, ctx.pix_fmt, ctx.time_base = width, height, "yuv420p", 1 / rate
-        ctx.options = options
+        ctx.options = dict(options)
         ctx.open()
     except (av.FFmpegError, UnknownCodecError):
         return False
