@@ -3,19 +3,30 @@
 Eager PyTorch spends about 30% of a dense block's non-attention time outside the GEMMs on the H200: it gathers
 six [S, hidden] AdaLN rows per block, and norm, modulation, residual, RoPE and SwiGLU each read and write the whole
 activation again. On CUDA these functions run the Triton kernels of `fused_triton.py`, which read the AdaLN table
-rows in place and compute in fp32 with one rounding at the end; on the CPU they run the reference maths below, which
-is the eager block exactly (so CPU results do not change).
+rows in place and compute in fp32 with one rounding at the end; on the CPU (or without triton) they run the reference
+maths below, which is the eager block exactly (so CPU results do not change).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
+@functools.cache
+def _have_triton() -> bool:
+    try:
+        import triton  # noqa: F401  (not in every CUDA build of torch, e.g. on Windows)
+    except ImportError:
+        return False
+    return True
+
+
 def _triton(x: torch.Tensor) -> bool:
-    return x.is_cuda
+    return x.is_cuda and _have_triton()
 
 
 def modulated_rms_norm(x: torch.Tensor, norm: nn.RMSNorm, shift: torch.Tensor, scale: torch.Tensor,
