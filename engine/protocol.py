@@ -196,6 +196,8 @@ def _mib(n: int) -> str:
 # refine: prompt, scale (1.5 or 2), strength.
 # upscale (SeedVR2): model, one of resolution / width and/or height / scale, color_fix, seed, batch_frames,
 #   overlap_frames, tiling.
+# Every H3 task (not upscale) also takes the speed options of this one job, else the engine's: attention (a backend
+#   name, or auto) and vsa_sparsity (0 = dense attention, e.g. 0.875 = each video query cube attends to 1/8 of them).
 
 _ASPECT = re.compile(r"^\s*(\d+(\.\d+)?)\s*:\s*(\d+(\.\d+)?)\s*$")
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -312,6 +314,11 @@ _COMMON = {
     "seed": lambda t, k, v: _integer(t, k, v, 0, 2**63 - 1),
     "loras": _loras,
 }
+ATTENTION_CHOICES = ("auto", "fa3", "cudnn", "flex", "sdpa")  # engine/kernels/attention.py's backends
+_SPEED = {
+    "attention": _choice(ATTENTION_CHOICES),
+    "vsa_sparsity": lambda t, k, v: _number(t, k, v, 0.0, 0.99),
+}
 _SOURCE = {
     "source_job": _job,
     "source_fps": lambda t, k, v: _number(t, k, v, 0.0, 1000.0),
@@ -320,7 +327,7 @@ _SOURCE = {
 _STRENGTH = lambda t, k, v: _number(t, k, v, 0.0, 1.0)  # noqa: E731
 _SIDE = lambda t, k, v: _integer(t, k, v, 32, 8192)  # noqa: E731
 _GENERATE_PARAMS = {"prompt": _prompt, "seconds": lambda t, k, v: _number(t, k, v, 0.0, 600.0), "width": _SIDE,
-                    "height": _SIDE, "aspect": _aspect, **_COMMON}
+                    "height": _SIDE, "aspect": _aspect, **_COMMON, **_SPEED}
 
 
 def _generate_rules(task, checked, tensors, spec):
@@ -382,15 +389,16 @@ TASK_SPECS = {spec.name: spec for spec in (
              IMAGE_TENSORS, images_required=1),
     TaskSpec("edit", "masked edit: object removal, replacement, repaint",
              {"prompt": _prompt, "preset": _choice(EDIT_PRESETS), "strength": _STRENGTH,
-              "audio_mask": lambda t, k, v: _between(t, k, v, 0.0, 1.0), **_COMMON, **_SOURCE},
+              "audio_mask": lambda t, k, v: _between(t, k, v, 0.0, 1.0), **_COMMON, **_SPEED, **_SOURCE},
              _edit_rules, (*SOURCE_TENSORS, "mask"), source=True),
     TaskSpec("extend", "continue a clip past one window",
              {"prompt": _prompt, "prompts": _prompts, "seconds": lambda t, k, v: _number(t, k, v, 0.0, 600.0),
               "overlap_latents": _overlap, "window_seconds": lambda t, k, v: _between(t, k, v, 5.0, 15.0),
-              **_COMMON, **_SOURCE},
+              **_COMMON, **_SPEED, **_SOURCE},
              _extend_rules, SOURCE_TENSORS, source=True),
     TaskSpec("refine", "latent upscale x1.5 / x2 and a second H3 pass",
-             {"prompt": _prompt, "scale": _choice(REFINE_SCALES), "strength": _STRENGTH, **_COMMON, **_SOURCE},
+             {"prompt": _prompt, "scale": _choice(REFINE_SCALES), "strength": _STRENGTH, **_COMMON, **_SPEED,
+              **_SOURCE},
              _refine_rules, SOURCE_TENSORS, source=True),
     TaskSpec("upscale", "SeedVR2 restoration to 1080p and beyond",
              {"model": _choice(UPSCALE_MODELS), "resolution": _resolution, "width": _SIDE, "height": _SIDE,

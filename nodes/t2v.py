@@ -13,7 +13,7 @@ import time
 
 from . import comfy_compat as comfy
 from .client import EngineError
-from .engine_node import ENGINE_TYPE, connect, readable_error
+from .engine_node import ENGINE_TYPE, connect, readable_error, speed_params
 from .video_io import images_to_uint8, result_outputs
 
 ASPECTS = ["16:9", "9:16", "1:1", "4:3", "3:4", "21:9", "auto"]
@@ -181,6 +181,8 @@ async def video_job(engine, task: str, params: dict, tensors: dict, unique_id) -
     """Runs an engine task that returns a clip: (VIDEO, IMAGE, AUDIO, job id)."""
     comfy.send_progress_text("H3Forge: connecting to the engine", unique_id)
     client = await connect(engine)
+    if task != "upscale":  # SeedVR2 has its own attention and no VSA
+        params = {**params, **speed_params(engine)}
     result = await run_job(client, task, params, tensors, unique_id)
     return (*result_outputs(result), result.job)
 

@@ -20,15 +20,17 @@ STEPS = 3  # sigma grid points: 2 DiT evaluations
 load_pack()
 comfy = importlib.import_module("h3forge_pack.nodes.comfy_compat")
 launcher = importlib.import_module("h3forge_pack.nodes.launcher")
-from h3forge_pack.nodes.engine_node import H3ForgeEngine, client_for, default_settings  # noqa: E402
+from h3forge_pack.nodes.engine_node import (H3ForgeEngine, client_for, default_settings,  # noqa: E402
+                                            speed_params)
 from h3forge_pack.nodes.preview import H3ForgePreview  # noqa: E402
 from h3forge_pack.nodes.t2v import H3ForgeTextToVideo, parse_lora_list  # noqa: E402
 
 assert not comfy.IN_COMFYUI
 
 
-def engine_settings(url: str, token: str = "", auto_launch: bool = False) -> dict:
-    return H3ForgeEngine().configure(url, token, auto_launch, "tiny", "", "cpu", 1)[0]
+def engine_settings(url: str, token: str = "", auto_launch: bool = False, attention: str = "auto",
+                    sparse_attention: str = "engine default") -> dict:
+    return H3ForgeEngine().configure(url, token, auto_launch, "tiny", "", "cpu", 1, attention, sparse_attention)[0]
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +212,17 @@ def test_defaults_without_engine_node(monkeypatch):
     monkeypatch.setenv("H3FORGE_AUTO_LAUNCH", "0")
     monkeypatch.setenv("H3FORGE_MODELS", "/models/h3")
     assert default_settings() == {"url": "ws://gpu-host:9000", "token": "secret", "auto_launch": False,
-                                 "preset": "tiny", "models_dir": "/models/h3", "device": "auto", "gpus": 1}
+                                 "preset": "tiny", "models_dir": "/models/h3", "device": "auto", "gpus": 1,
+                                 "attention": "auto", "sparse_attention": "engine default"}
+
+
+def test_engine_node_speed_options_reach_the_h3_jobs(settings, t2va):
+    assert speed_params(settings) == {} and speed_params(None) == {}  # the engine's own settings
+    assert speed_params({**settings, "sparse_attention": "off (dense)"}) == {"vsa_sparsity": 0.0}
+    sparse = engine_settings(settings["url"], settings["token"], attention="sdpa", sparse_attention="87.5%")
+    assert speed_params(sparse) == {"attention": "sdpa", "vsa_sparsity": 0.875}
+    frames = generate(sparse)[1]
+    assert frames.shape == t2va[0][1].shape and not torch.equal(frames, t2va[0][1])
 
 
 def test_validate_inputs_without_engine():

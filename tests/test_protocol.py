@@ -93,6 +93,8 @@ def test_valid_specs_pass_with_normalised_values():
         "loras": [["turbo.safetensors", 1.0], ["style.safetensors", 0.5]]}
     assert protocol.validate_task("fl2va", {"prompt": "x", "width": 256, "height": 128},
                                   {"last_frame": IMAGE})["width"] == 256
+    assert protocol.validate_task("t2va", {"prompt": "x", "attention": " FA3", "vsa_sparsity": 0.875}, {}) == {
+        "prompt": "x", "attention": "fa3", "vsa_sparsity": 0.875}
 
 
 @pytest.mark.parametrize("task, params, tensors, words", [
@@ -113,6 +115,9 @@ def test_valid_specs_pass_with_normalised_values():
     ("fl2va", {"prompt": "x"}, {"first_frame": IMAGE.astype(np.float32)}, "uint8 [H, W, 3]"),
     ("fl2va", {"prompt": "x"}, {"first_frame": IMAGE[:8]}, "16 to"),
     ("t2va", ["prompt"], {}, "must be an object"),
+    ("t2va", {"prompt": "x", "attention": "fa4"}, {}, "'attention' must be one of auto, fa3, cudnn, flex, sdpa"),
+    ("t2va", {"prompt": "x", "vsa_sparsity": 1.0}, {}, "vsa_sparsity"),
+    ("upscale", {"source_job": "0" * 32, "attention": "fa3"}, {}, "unknown parameter"),
 ])
 def test_invalid_specs_get_artist_readable_errors(task, params, tensors, words):
     with pytest.raises(ProtocolError) as err:

@@ -108,6 +108,20 @@ def test_mp4_asked_at_submit_is_encoded_during_the_decode(engine):
     assert frames.shape == result.frames.shape and fps == 24 and rate == SAMPLE_RATE
 
 
+def test_a_job_picks_its_own_attention_and_sparsity_and_the_next_gets_the_engines(engine):
+    client = engine.client()
+    base = {"prompt": "a kite over the dunes", "steps": 3, "seed": 11, **SMALL}
+    with pytest.raises(EngineError) as err:
+        run(client.run("t2va", {**base, "attention": "fa3"}))
+    assert err.value.code == "invalid_request" and "'fa3' is not available on this engine (cpu)" in err.value.message
+    assert "sdpa" in err.value.message
+    dense = run(client.run("t2va", base))
+    sparse = run(client.run("t2va", {**base, "attention": "flex", "vsa_sparsity": 0.5}))
+    again = run(client.run("t2va", base))
+    assert sparse.meta["params"]["vsa_sparsity"] == 0.5 and not np.array_equal(sparse.frames, dense.frames)
+    assert np.array_equal(again.frames, dense.frames)  # the engine's own settings are back
+
+
 def test_cancel_stops_a_running_job_and_the_engine_serves_the_next(engine):
     async def scenario():
         cancel = asyncio.Event()

@@ -61,9 +61,13 @@ def _compiled_flex():
 @register("flex")
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # Uncompiled, flex materialises the whole score matrix (S = 109 126 would need 298 GiB); compiled it is a fused
-    # Triton kernel. The CPU keeps the eager path (no C++ compile for the small CPU shapes).
+    # Triton kernel. The CPU keeps the eager path (no C++ compile for the small CPU shapes). Contiguous inputs: on
+    # q/k/v sliced from one [S, 3, 56, 128] buffer at S = 109 126 (2.35e9 elements, past 32-bit offsets) the compiled
+    # kernel hits an illegal memory access on the H200; separate contiguous tensors of that size run.
     from torch.nn.attention.flex_attention import flex_attention
 
+    if q.is_cuda:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     fn = _compiled_flex() if q.is_cuda else flex_attention
     return fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 

@@ -71,6 +71,26 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
     return pipe
 
 
+@contextlib.contextmanager
+def speed_options(pipe, params: dict, device: torch.device):
+    """The job's own attention backend and VSA sparsity, when it names them; else the engine's (--attention,
+    --vsa-sparsity)."""
+    name = params.get("attention", "auto")
+    available = attention.backends(device)
+    if name != "auto" and name not in available:
+        raise ProtocolError("invalid_request", f"The attention backend {name!r} is not available on this engine "
+                                               f"({device.type}); it has {', '.join(available)} (or auto).")
+    sparsity = params.get("vsa_sparsity")
+    if sparsity is not None:
+        engine_sparsity, pipe.vsa_sparsity = pipe.vsa_sparsity, sparsity
+    try:
+        with attention.use_backend(name) if name != "auto" else contextlib.nullcontext():
+            yield
+    finally:
+        if sparsity is not None:
+            pipe.vsa_sparsity = engine_sparsity
+
+
 def sequence_parallel(pipeline, ctx: RankContext):
     """Ulysses over all ranks when the head count allows it; otherwise every rank runs the whole sequence."""
     dit = getattr(pipeline, "dit", None)
@@ -196,7 +216,7 @@ class JobRunner:
         if spec.task == "upscale":
             return self.upscale(spec.params, job_source(spec), on_step)
         self.pipeline.encode_mp4 = spec.mp4 and self.ctx.rank == 0
-        with sequence_parallel(self.pipeline, self.ctx):
+        with speed_options(self.pipeline, spec.params, self.ctx.device), sequence_parallel(self.pipeline, self.ctx):
             if spec.task in ("t2va", "fl2va"):
                 return self.pipeline.generate(generate_request(spec), on_step=on_step)
             source = job_source(spec)

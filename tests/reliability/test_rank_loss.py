@@ -19,7 +19,7 @@ from .helpers import rank_pids, wait_until
 def test_killed_rank_fails_the_job_readably_and_auto_launch_brings_the_engine_back(tmp_path, monkeypatch, recorder):
     monkeypatch.setenv("H3FORGE_TOKEN_FILE", str(tmp_path / "token"))
     url = f"ws://127.0.0.1:{free_port()}"
-    settings = H3ForgeEngine().configure(url, "", True, "tiny", "", "cpu", 2)[0]
+    settings = H3ForgeEngine().configure(url, "", True, "tiny", "", "cpu", 2, "auto", "engine default")[0]
 
     def generate(steps):
         return H3ForgeTextToVideo().generate(PROMPT, 5.0, "1:1", 64, 64, steps, 1, engine=settings, unique_id="r")
