@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 
 def add_generate_args(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +39,6 @@ def run_generate(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from engine.io.video import write_mp4
     from engine.models.h3.layout import LayoutError
     from engine.models.h3.lora import parse_lora_spec
     from engine.models.h3.pipeline import GenerateRequest, H3Pipeline
@@ -71,11 +71,7 @@ def run_generate(args: argparse.Namespace) -> int:
     except (LayoutError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if result.mp4 is not None:
-        with open(args.out, "wb") as f:
-            f.write(result.mp4)
-    else:
-        write_mp4(args.out, result.frames, result.fps, result.audio, result.sample_rate)
+    Path(args.out).write_bytes(result.mp4)  # encoded while the VAE decoded
     F, H, W, _ = result.frames.shape
     print(f"wrote {args.out}: {F} frames {W}x{H} @ {result.fps} fps, audio {result.audio.shape[0]} ch "
           f"{result.audio.shape[1] / result.sample_rate:.2f} s @ {result.sample_rate} Hz "
