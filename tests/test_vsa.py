@@ -1,6 +1,11 @@
 """VSA (engine/kernels/vsa.py): cube tiling, top-k = all equals dense, padding, selection, DiT routing, gates."""
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,10 +54,17 @@ def test_tile_reorder_and_inverse_exact(T, h, w, text, audio, keyframes):
     assert torch.equal(video[:, ~plan.cube_valid], torch.zeros_like(video[:, ~plan.cube_valid]))
     assert plan.slot.unique().numel() == S
 
-    # Every cube holds one 4x4x4 neighbourhood of the (t, h, w) grid, real tokens first in (t, h, w) order.
+    # Every cube holds one 4x4x4 neighbourhood of the (t, h, w) grid, real tokens first in (t, h, w) order; the
+    # full cubes come first, then the partial ones, each group in (t, h, w) order.
     t, r, c = torch.meshgrid(torch.arange(T), torch.arange(h), torch.arange(w), indexing="ij")
-    cube_of_row = (t // 4 * math.ceil(h / 4) + r // 4) * math.ceil(w / 4) + c // 4
-    assert torch.equal(plan.video_slot // 64, cube_of_row.flatten())
+    cube_of_row = ((t // 4 * math.ceil(h / 4) + r // 4) * math.ceil(w / 4) + c // 4).flatten()
+    partial = torch.bincount(cube_of_row, minlength=plan.num_cubes) < 64
+    position = torch.empty(plan.num_cubes, dtype=torch.long)
+    position[partial.to(torch.int8).argsort(stable=True)] = torch.arange(plan.num_cubes)
+    assert torch.equal(plan.video_slot // 64, position[cube_of_row])
+    assert plan.num_full_cubes == int((~partial).sum())
+    assert bool((plan.cube_sizes[:plan.num_full_cubes] == 64).all())
+    assert bool((plan.cube_sizes[plan.num_full_cubes:] < 64).all())
     offsets = plan.video_slot % 64
     for cube in range(plan.num_cubes):
         rows = (plan.video_slot // 64 == cube).nonzero().flatten()
@@ -202,7 +214,76 @@ def test_triton_kernel_matches_reference():
     ref = vsa.fine_reference(*args)
     real = plan.cube_valid.flatten()
     tol = 1e-2 if device == "cuda" else 1e-5  # tf32 dots on the GPU
-    assert rel_err(block_sparse_attention(*args)[:, real], ref[:, real]) <= tol
+    assert 0 < plan.num_full_cubes < plan.num_cubes
+    for num_full in (plan.num_full_cubes, 0):  # the plan's full cubes skip the padding mask; 0 masks every cube
+        assert rel_err(block_sparse_attention(*args, num_full)[:, real], ref[:, real]) <= tol
+
+
+def test_triton_cube_selection_matches_topk():
+    """The radix-select kernel picks torch.topk's set, ascending; ties go to the lower cube; strided rows work
+    (trained-gate mode selects from the video corner of a larger score matrix)."""
+    kernels = load_kernels("engine.kernels.vsa_triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 3, 37, 37, generator=g)
+    scores[0, 0, 0] = torch.tensor([-0.0, 0.0, float("-inf"), 1e30, -1e30] * 7 + [2.5, 2.5])  # signs, extremes
+    scores[1, 2, 5] = 1.0  # all tied
+    scores[1, 2, 6, ::3] = 7.0  # ties across the cut
+    for topk in (1, 5, 13, 37):
+        expected = vsa.select_cubes(scores, topk)
+        got = kernels.select_cubes(scores.to(device), topk).cpu()
+        assert got.dtype == torch.int32 and torch.equal(got[1, 2, 5], torch.arange(topk, dtype=torch.int32))
+        assert torch.equal(got.diff(dim=-1).gt(0).all(), torch.tensor(True))
+        untied = torch.ones(2, 3, 37, dtype=torch.bool)
+        untied[0, 0, 0] = untied[1, 2, 5] = untied[1, 2, 6] = False
+        assert torch.equal(got[untied], expected[untied])
+        picked = scores.gather(-1, got.long())
+        kth = scores.topk(topk, dim=-1).values[..., -1:]
+        assert bool((picked >= kth).all())  # a top-k set even where ties make it one of several
+    assert kernels.select_cubes(scores.to(device), 3)[0, 0, 0].tolist() == [3, 8, 13]  # 7 tied at 1e30
+    assert kernels.select_cubes(scores.to(device), 9)[0, 0, 0].tolist() == [3, 8, 13, 18, 23, 28, 33, 35, 36]
+    gated = torch.randn(2, 3, 41, 41, generator=g)
+    corner = gated[..., 4:, 4:]
+    assert torch.equal(kernels.select_cubes(corner.to(device), 9).cpu(), vsa.select_cubes(corner, 9))
+
+
+HOPPER_BUILD = textwrap.dedent("""
+    import inspect, subprocess
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+    from engine.kernels import vsa_triton as kernels
+
+    def build(fn, types, constexprs, **options):
+        params = list(inspect.signature(fn.fn).parameters)
+        signature = {p: types.get(p, "constexpr" if p in constexprs else "i32") for p in params}
+        src = ASTSource(fn=fn, signature=signature, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        with open("kernel.ptx", "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", "kernel.ptx", "-o", "kernel.cubin"],
+                                capture_output=True, text=True, check=True).stderr
+        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+        print(fn.__name__, compiled.metadata.shared, "bytes of shared memory")
+
+    tile, rows = "tensordesc<bf16[64,128]>", "tensordesc<bf16[1,64,128]>"
+    build(kernels._fine_kernel, dict(Q=tile, K=tile, V=tile, O=tile, KP=rows, VP=rows, SEL="*i32", SIZES="*i32",
+                                     scale_log2="fp32"), dict(BLOCK=64, HEAD_DIM=128, TOPK_POW2=256),
+          num_warps=4, num_stages=3)
+    build(kernels._select_kernel, dict(SCORES="*fp32", SEL="*i32"), dict(BLOCK_C=2048), num_warps=1)
+""")
+
+
+def test_triton_kernels_build_for_hopper(tmp_path):
+    """The interpreter runs the kernels' logic on the CPU; this builds them for sm_90 (the H200) with triton's own
+    ptxas, no GPU needed, at the full-size geometry: both compile, neither spills registers."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", HOPPER_BUILD], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "_fine_kernel" in run.stdout and "_select_kernel" in run.stdout
 
 
 def test_pipeline_sparsity_zero_is_dense_and_sparse_differs():

@@ -1,7 +1,7 @@
 """Video Sparse Attention (VSA) over the H3 packed sequence (notes/kernels_h200.md §1).
 
 The target video rows, a frame-major (T, H/2, W/2) token grid, are cut into 4x4x4 = 64-token cubes; edge cubes
-are padded to 64 slots, real tokens first. The rows before the target video (text, condition, audio) are the
+are padded to 64 slots, real tokens first, and placed after the full cubes (the kernel masks only those). The rows before the target video (text, condition, audio) are the
 dense prefix: they attend to every key, and every query attends to them. Each video query cube attends to the
 prefix plus its top-k video key cubes, ranked by pooled scores (mean q of the query cube . mean k of the key
 cube / sqrt(d)); this fine branch is exact softmax attention over the kept keys.
@@ -49,6 +49,7 @@ class VSAPlan:
     video_order: torch.Tensor  # [num_cubes * 64] long: video row in each slot (padding slots: row 0, then zeroed)
     pad_slots: torch.Tensor  # [num padding slots] long
     cube_sizes: torch.Tensor  # [num_cubes] int32: real tokens per cube (the rest of its 64 slots are padding)
+    num_full_cubes: int  # cubes [0, num_full_cubes) are full, the partial (edge) cubes follow
     prefix_tile: torch.Tensor  # [P] long: segment-pure 64-row chunk of each prefix row (coarse branch)
     prefix_tile_sizes: torch.Tensor  # [num_prefix_tiles] rows per chunk
 
@@ -77,8 +78,8 @@ class VSAPlan:
         tiled = x[:, self.num_dense:].index_select(1, self.video_order)
         return tiled.index_fill_(1, self.pad_slots, 0)
 
-    def untile_video(self, tiled: torch.Tensor) -> torch.Tensor:
-        return tiled.index_select(1, self.video_slot)
+    def untile_video(self, tiled: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.index_select(tiled, 1, self.video_slot, out=out)
 
     def tile(self, x: torch.Tensor) -> torch.Tensor:
         """[B, S, ...] -> [B, P + num_cubes * 64, ...]: [dense rows | video rows cube-major, padded]."""
@@ -97,13 +98,16 @@ def build_plan(layout: PackedLayout, patch: tuple[int, int] = (2, 2)) -> VSAPlan
     if not torch.equal(target, torch.arange(P, S)):
         raise ValueError("VSA needs the target video rows at the end of the packed sequence, frame-major")
 
-    # Cubes in (t, h, w) order; inside a cube its real tokens in (t, h, w) order, then the padding slots.
+    # Full cubes, then partial ones, each in (t, h, w) order; inside a cube its real tokens in (t, h, w) order,
+    # then the padding slots.
     ct, ch, cw = math.ceil(T / CUBE), math.ceil(h / CUBE), math.ceil(w / CUBE)
     grid = torch.full((ct * CUBE, ch * CUBE, cw * CUBE), -1, dtype=torch.long)
     grid[:T, :h, :w] = torch.arange(T * h * w).view(T, h, w)
     cubes = grid.view(ct, CUBE, ch, CUBE, cw, CUBE).permute(0, 2, 4, 1, 3, 5).reshape(-1, TILE)
+    cubes = cubes[(cubes < 0).any(dim=1).to(torch.int8).argsort(stable=True)]
     cubes = cubes.gather(1, (cubes < 0).to(torch.int8).argsort(dim=1, stable=True))
     real = cubes >= 0
+    num_full = int(real.all(dim=1).sum())
     video_slot = torch.empty(T * h * w, dtype=torch.long)
     video_slot[cubes[real]] = torch.arange(cubes.numel()).view_as(cubes)[real]
 
@@ -120,7 +124,7 @@ def build_plan(layout: PackedLayout, patch: tuple[int, int] = (2, 2)) -> VSAPlan
 
     pad_slots = torch.nonzero(~real.flatten()).flatten()
     return VSAPlan(S, P, (T, h, w), video_slot, cubes.flatten().clamp(min=0), pad_slots, real.sum(1).to(torch.int32),
-                   prefix_tile, torch.tensor(sizes, dtype=torch.long)).to(layout.position_ids.device)
+                   num_full, prefix_tile, torch.tensor(sizes, dtype=torch.long)).to(layout.position_ids.device)
 
 
 def topk_for_sparsity(sparsity: float, num_cubes: int) -> int:
@@ -144,6 +148,10 @@ def pool_prefix(x: torch.Tensor, plan: VSAPlan) -> torch.Tensor:
 
 def select_cubes(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """[B, H, C, C] cube scores -> [B, H, C, topk] int32 key cubes per query cube, ascending (memory order)."""
+    if scores.is_cuda:
+        from engine.kernels import vsa_triton
+
+        return vsa_triton.select_cubes(scores, topk)
     return scores.topk(topk, dim=-1, sorted=False).indices.sort(dim=-1).values.to(torch.int32)
 
 
@@ -169,12 +177,12 @@ def fine_reference(qv, kv, vv, k_prefix, v_prefix, selected, cube_sizes) -> torc
     return out.permute(0, 2, 3, 1, 4).reshape(B, CT, H, D)
 
 
-def _fine(qv, kv, vv, k_prefix, v_prefix, selected, cube_sizes) -> torch.Tensor:
+def _fine(qv, kv, vv, k_prefix, v_prefix, selected, plan: VSAPlan) -> torch.Tensor:
     if qv.is_cuda:
         from engine.kernels.vsa_triton import block_sparse_attention
 
-        return block_sparse_attention(qv, kv, vv, k_prefix, v_prefix, selected, cube_sizes)
-    return fine_reference(qv, kv, vv, k_prefix, v_prefix, selected, cube_sizes)
+        return block_sparse_attention(qv, kv, vv, k_prefix, v_prefix, selected, plan.cube_sizes, plan.num_full_cubes)
+    return fine_reference(qv, kv, vv, k_prefix, v_prefix, selected, plan.cube_sizes)
 
 
 def vsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VSAPlan, topk: int,
@@ -207,8 +215,10 @@ def vsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VSAPl
         first_cube = scores.shape[-1] - C
         selected = select_cubes(scores[..., first_cube:, first_cube:], topk)
 
-    out_video = plan.untile_video(_fine(qv, kv, vv, k[:, :P], v[:, :P], selected, plan.cube_sizes))
-    out = torch.cat([attn.dense(q[:, :P], k, v), out_video], dim=1) if P else out_video
+    out = torch.empty_like(q)
+    if P:
+        out[:, :P] = attn.dense(q[:, :P], k, v)
+    plan.untile_video(_fine(qv, kv, vv, k[:, :P], v[:, :P], selected, plan), out=out[:, P:])
     if gate is None:
         return out
 
