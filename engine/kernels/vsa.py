@@ -1,10 +1,11 @@
 """Video Sparse Attention (VSA) over the H3 packed sequence (notes/kernels_h200.md §1).
 
 The target video rows, a frame-major (T, H/2, W/2) token grid, are cut into 4x4x4 = 64-token cubes; edge cubes
-are padded to 64 slots, real tokens first, and placed after the full cubes (the kernel masks only those). The rows before the target video (text, condition, audio) are the
-dense prefix: they attend to every key, and every query attends to them. Each video query cube attends to the
-prefix plus its top-k video key cubes, ranked by pooled scores (mean q of the query cube . mean k of the key
-cube / sqrt(d)); this fine branch is exact softmax attention over the kept keys.
+are padded to 64 slots, real tokens first, and placed after the full cubes (the kernel masks only those). The rows
+before the target video (text, condition, audio) are the dense prefix: they attend to every key, and every query
+attends to them. Each video query cube attends to the prefix plus its top-k video key cubes, ranked by pooled
+scores (mean q of the query cube . mean k of the key cube / sqrt(d)); this fine branch is exact softmax attention
+over the kept keys.
 
 Trained-gate mode (FastH3 VSA checkpoints) adds the coarse branch as FastVideo's VSA-H3 backend does
 (`fastvideo/attention/backends/video_sparse_attn_h3.py`, `fastvideo/models/dits/minimax_h3.py`):
@@ -49,7 +50,7 @@ class VSAPlan:
     video_order: torch.Tensor  # [num_cubes * 64] long: video row in each slot (padding slots: row 0, then zeroed)
     pad_slots: torch.Tensor  # [num padding slots] long
     cube_sizes: torch.Tensor  # [num_cubes] int32: real tokens per cube (the rest of its 64 slots are padding)
-    num_full_cubes: int  # cubes [0, num_full_cubes) are full, the partial (edge) cubes follow
+    num_full_cubes: int  # cubes [0, num_full_cubes) are full, the partial (edge) cubes follow (a host int: no sync)
     prefix_tile: torch.Tensor  # [P] long: segment-pure 64-row chunk of each prefix row (coarse branch)
     prefix_tile_sizes: torch.Tensor  # [num_prefix_tiles] rows per chunk
 
