@@ -114,6 +114,9 @@ def timing(frames: int, sparsity: float, device, sweep: bool) -> dict:
         fine_flops = 4 * 64 * kept_keys * HEADS * HEAD_DIM
         row["stage_fine_ms"] = round(fine_ms, 2)
         row["stage_fine_tflops"] = round(fine_flops / fine_ms / 1e9, 1)
+        for prefetch in (False, True):  # the default picks one by whether a head's K and V fit in L2
+            ms = cuda_ms(lambda: block_sparse_attention(*fine_args, prefetch=prefetch))
+            row[f"stage_fine_prefetch_{'on' if prefetch else 'off'}_ms"] = round(ms, 2)
         row["stage_dense_prefix_ms"] = round(cuda_ms(lambda: attn.dense(q[:, :P], k, v)), 2)
         out_v = block_sparse_attention(*fine_args)
         row["stage_untile_ms"] = round(cuda_ms(lambda: plan.untile_video(out_v)), 2)

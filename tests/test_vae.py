@@ -92,6 +92,22 @@ def test_decode_chunks_join_to_diffusers_decode(video_vae, num_latents, h, w):
     assert torch.equal(video_vae.decode(z), frames[:17 * n + 5])
 
 
+@torch.no_grad()
+def test_decoder_weights_cast_once_decode_as_autocast_casts_them():
+    """On CUDA the decoder runs under fp16 autocast with its weights cast once beforehand; the CPU analogue (bf16
+    autocast) shows that this is exactly what autocast's per-call casts compute, and that the encoder stays fp32."""
+    vae = V.build_tiny_video_vae(seed=0)
+    z = torch.randn(1, 24, 7, 8, 14, generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = vae.model._decode_clip(z)
+        vae.cast_decoder_weights(torch.bfloat16)
+        cast_once = vae.model._decode_clip(z)
+    assert torch.equal(cast_once, reference)
+    assert vae.model.post_quant_conv.weight.dtype == torch.bfloat16
+    assert {p.dtype for p in vae.model.encoder.parameters()} == {torch.float32}
+    assert any(p.dtype == torch.float32 for p in vae.model.decoder.parameters())  # the norms
+
+
 def test_tiny_decode_at_default_canvas_is_tiled(video_vae):
     model = video_vae.model
     assert model.use_tiling and model.tile_sample_min_width == V.TINY_TILE_SIZE < 224

@@ -215,8 +215,10 @@ def test_triton_kernel_matches_reference():
     real = plan.cube_valid.flatten()
     tol = 1e-2 if device == "cuda" else 1e-5  # tf32 dots on the GPU
     assert 0 < plan.num_full_cubes < plan.num_cubes
-    for num_full in (plan.num_full_cubes, 0):  # the plan's full cubes skip the padding mask; 0 masks every cube
-        assert rel_err(block_sparse_attention(*args, num_full)[:, real], ref[:, real]) <= tol
+    # The plan's full cubes skip the padding mask (with and without the early index load); 0 masks every cube.
+    for num_full, prefetch in ((plan.num_full_cubes, False), (plan.num_full_cubes, True), (0, False)):
+        out = block_sparse_attention(*args, num_full, prefetch)
+        assert rel_err(out[:, real], ref[:, real]) <= tol, (num_full, prefetch)
 
 
 def test_triton_cube_selection_matches_topk():
@@ -265,19 +267,23 @@ HOPPER_BUILD = textwrap.dedent("""
         report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", "kernel.ptx", "-o", "kernel.cubin"],
                                 capture_output=True, text=True, check=True).stderr
         assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+        # Two CTAs per SM: 228 KiB of shared memory per SM, 1 KiB of it reserved per CTA.
+        assert compiled.metadata.shared <= 228 * 1024 // 2 - 1024, compiled.metadata.shared
         print(fn.__name__, compiled.metadata.shared, "bytes of shared memory")
 
     tile, rows = "tensordesc<bf16[64,128]>", "tensordesc<bf16[1,64,128]>"
-    build(kernels._fine_kernel, dict(Q=tile, K=tile, V=tile, O=tile, KP=rows, VP=rows, SEL="*i32", SIZES="*i32",
-                                     scale_log2="fp32"), dict(BLOCK=64, HEAD_DIM=128, TOPK_POW2=256),
-          num_warps=4, num_stages=3)
+    for prefetch in (False, True):
+        build(kernels._fine_kernel, dict(Q=tile, K=tile, V=tile, O=tile, KP=rows, VP=rows, SEL="*i32",
+                                         SIZES="*i32", scale_log2="fp32"),
+              dict(BLOCK=64, HEAD_DIM=128, TOPK_POW2=256, PREFETCH=prefetch), num_warps=4, num_stages=3)
     build(kernels._select_kernel, dict(SCORES="*fp32", SEL="*i32"), dict(BLOCK_C=2048), num_warps=1)
 """)
 
 
 def test_triton_kernels_build_for_hopper(tmp_path):
     """The interpreter runs the kernels' logic on the CPU; this builds them for sm_90 (the H200) with triton's own
-    ptxas, no GPU needed, at the full-size geometry: both compile, neither spills registers."""
+    ptxas, no GPU needed, at the full-size geometry: both compile, neither spills registers, and two fine-kernel
+    CTAs fit on one SM."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])

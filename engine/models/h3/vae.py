@@ -2,9 +2,10 @@
 
 The wrappers own what the pipeline does around the autoencoders: per-channel latent normalisation, the
 ImageNet pixel convention, the keyframe/reference encode recipe, tiled decode streamed chunk by chunk, fp16
-autocast on CUDA, the uint8 conversion on the device, and stereo-as-batch audio. Loading: the diffusers layout
-(`vae/`, `audio_vae/`), the original MiniMax layout (`video_vae/` + `source/`, `audio_vae/` + `metadata.json`),
-and the `tiny` preset (same architectures at tiny width, weights from a fixed seed, no files).
+autocast on CUDA (the decoder's weights cast once), the uint8 conversion on the device, and stereo-as-batch
+audio. Loading: the diffusers layout (`vae/`, `audio_vae/`), the original MiniMax layout (`video_vae/` +
+`source/`, `audio_vae/` + `metadata.json`), and the `tiny` preset (same architectures at tiny width, weights from
+a fixed seed, no files).
 """
 
 from __future__ import annotations
@@ -335,15 +336,27 @@ class VideoVAE(nn.Module):
             if not left:
                 return
 
+    def cast_decoder_weights(self, dtype: torch.dtype) -> None:
+        """Cast the decoder's convolution and projection weights to the autocast dtype once, as autocast would on
+        every call (it caches no cast of a weight that needs no grad): the same rounding, so the same output (bit
+        for bit on the H200), without ~160 000 cast kernels per 5 s 1344x768 decode (7.7 -> 7.4 s) and with half
+        of the decoder's 9.7 GB. Norms and the encoder keep their float32 weights."""
+        for module in (self.model.post_quant_conv, *self.model.decoder.modules()):
+            if isinstance(module, (nn.Conv2d, nn.Conv3d, nn.Linear)):
+                module.to(dtype)
+
     def _decoded_chunks(self, z: torch.Tensor) -> Iterator[torch.Tensor]:
         """diffusers' `_decode` loop over denormalised latents, one final chunk [1, 3, n, H, W] at a time (5n + 2
         latents are n whole chunks once the dropped tokens are counted: no tail padding to cut)."""
         model = self.model
         size, pre = model.tokens_chunk_size, model.frame_pre_padding
         span = size * model.temporal_compression_ratio
+        cuda = z.device.type == "cuda"
+        if cuda:
+            self.cast_decoder_weights(torch.float16)
         overlap = None
         for i in range((z.shape[2] + model.config.token_drop) // size - 1):
-            with torch.autocast("cuda", dtype=torch.float16, enabled=z.device.type == "cuda"):
+            with torch.autocast("cuda", dtype=torch.float16, enabled=cuda):
                 clip = model._decode_clip(z[:, :, i * size:(i + 1) * size + model.token_overlap])
                 chunk = clip[:, :, pre:span]
                 if overlap is not None:
