@@ -5,8 +5,7 @@ Checks (bf16 inputs, q/k/v strided like the DiT's fused QKV, an odd 15x26 token 
   * `vsa_attention` at top-k = all cubes vs dense attention (fp32 reference);
   * trained-gate mode at top-k = all cubes vs the CPU fp32 path.
 Timing: one attention call at full H3 geometry (B = 1, 56 heads x 128) at 1344x768 for 124 and 362 frames
-(S = 37 774 and 109 126): each dense backend, VSA at --sparsity (training-free and gated), and its stages; plus a
-num_warps/num_stages sweep of the fine kernel at the first frame count.
+(S = 37 774 and 109 126): each dense backend, VSA at --sparsity (training-free and gated), and its stages.
 
     python benchmarks/vsa_check.py [--frames 124 362] [--sparsity 0.875] [--out benchmarks/results/vsa_check.json]
 """
@@ -54,15 +53,15 @@ def correctness(device) -> dict:
     heads = 8
     q, k, v = packed_qkv(plan.seq_len, heads, device)
     P, C = plan.num_dense, plan.num_cubes
-    real = plan.cube_valid.flatten()
     qv, kv, vv = (plan.tile_video(x) for x in (q, k, v))
     scores = vsa.pool_cubes(qv, plan.cube_sizes) @ vsa.pool_cubes(kv, plan.cube_sizes).transpose(-1, -2)
     res = {"grid": list(plan.grid), "S": plan.seq_len, "cubes": C}
     for topk in (vsa.topk_for_sparsity(0.875, C), C):
         selected = vsa.select_cubes(scores, topk)
-        args = (qv, kv, vv, k[:, :P], v[:, :P], selected, plan.cube_sizes, plan.num_full_cubes)
-        ref = vsa.fine_reference(*(a.float() if a.is_floating_point() else a for a in args[:-1]))
-        res[f"fine_triton_vs_reference_topk{topk}"] = rel_err(block_sparse_attention(*args)[:, real], ref[:, real])
+        args = (qv, kv, vv, k[:, :P], v[:, :P], selected, plan.cube_sizes)
+        ref = vsa.fine_reference(*(a.float() if a.is_floating_point() else a for a in args[:-1]), plan.cube_sizes)
+        out = block_sparse_attention(*args, plan.video_order, torch.empty_like(q[:, P:]))
+        res[f"fine_triton_vs_reference_topk{topk}"] = rel_err(out, plan.untile_video(ref))
 
     dense = attn.sdpa(q.float(), k.float(), v.float())
     res["vsa_all_cubes_vs_dense"] = rel_err(vsa.vsa_attention(q, k, v, plan, C), dense)
@@ -74,7 +73,7 @@ def correctness(device) -> dict:
     return res
 
 
-def timing(frames: int, sparsity: float, device, sweep: bool) -> dict:
+def timing(frames: int, sparsity: float, device) -> dict:
     plan = vsa.build_plan(make_layout(frames, 48, 84)).to(device)
     S, P, C = plan.seq_len, plan.num_dense, plan.num_cubes
     topk = vsa.topk_for_sparsity(sparsity, C)
@@ -99,31 +98,21 @@ def timing(frames: int, sparsity: float, device, sweep: bool) -> dict:
                 row[f"vsa_speedup_vs_{name}"] = round(row[f"dense_{name}_ms"] / row["vsa_ms"], 2)
 
         # Stages of the training-free path.
-        qv, kv, vv = (plan.tile_video(x) for x in (q, k, v))
-        row["stage_tile_qkv_ms"] = round(cuda_ms(lambda: [plan.tile_video(x) for x in (q, k, v)]), 2)
+        def tile():
+            return [vsa.tile_and_pool(x, plan, pool) for x, pool in ((q, True), (k, True), (v, False))]
 
-        def select():
-            pooled_q, pooled_k = vsa.pool_cubes(qv, plan.cube_sizes), vsa.pool_cubes(kv, plan.cube_sizes)
-            return vsa.select_cubes(pooled_q @ pooled_k.transpose(-1, -2), topk)
-
-        row["stage_pool_select_ms"] = round(cuda_ms(select), 2)
-        selected = select()
-        fine_args = (qv, kv, vv, k[:, :P], v[:, :P], selected, plan.cube_sizes, plan.num_full_cubes)
+        row["stage_tile_pool_qkv_ms"] = round(cuda_ms(tile), 2)
+        (qv, q_pool), (kv, k_pool), (vv, _) = tile()
+        row["stage_select_ms"] = round(cuda_ms(lambda: vsa.select_cubes(q_pool @ k_pool.transpose(-1, -2), topk)), 2)
+        selected = vsa.select_cubes(q_pool @ k_pool.transpose(-1, -2), topk)
+        fine_args = (qv, kv, vv, k[:, :P], v[:, :P], selected, plan.cube_sizes, plan.video_order,
+                     torch.empty_like(q[:, P:]))
         fine_ms = cuda_ms(lambda: block_sparse_attention(*fine_args))
         kept_keys = P * C + int(plan.cube_sizes[selected.long()].sum()) // HEADS  # per head, all query cubes
         fine_flops = 4 * 64 * kept_keys * HEADS * HEAD_DIM
         row["stage_fine_ms"] = round(fine_ms, 2)
         row["stage_fine_tflops"] = round(fine_flops / fine_ms / 1e9, 1)
-        for prefetch in (False, True):  # the default picks one by whether a head's K and V fit in L2
-            ms = cuda_ms(lambda: block_sparse_attention(*fine_args, prefetch=prefetch))
-            row[f"stage_fine_prefetch_{'on' if prefetch else 'off'}_ms"] = round(ms, 2)
         row["stage_dense_prefix_ms"] = round(cuda_ms(lambda: attn.dense(q[:, :P], k, v)), 2)
-        out_v = block_sparse_attention(*fine_args)
-        row["stage_untile_ms"] = round(cuda_ms(lambda: plan.untile_video(out_v)), 2)
-        if sweep:
-            for warps, stages in [(4, 2), (4, 3), (4, 4), (8, 3)]:
-                ms = cuda_ms(lambda: block_sparse_attention(*fine_args, num_warps=warps, num_stages=stages))
-                row[f"sweep_fine_w{warps}_s{stages}_ms"] = round(ms, 2)
     return row
 
 
@@ -137,7 +126,7 @@ def main() -> int:
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "dense_backends": attn.backends(device), "auto_backend": attn.choose(device)}
     results["correctness"] = correctness(device)
-    results["runs"] = [timing(f, args.sparsity, device, sweep=i == 0) for i, f in enumerate(args.frames)]
+    results["runs"] = [timing(f, args.sparsity, device) for f in args.frames]
     results["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
 
     c = results["correctness"]
@@ -157,7 +146,7 @@ def main() -> int:
         vals += [r[f"vsa_speedup_vs_{n}"] for n in dense_names]
         print(" | ".join(f"{val:>13}" for val in vals))
     for r in results["runs"]:
-        print(f"  stages at {r['frames']} frames:", {k: v for k, v in r.items() if k.startswith(("stage", "sweep"))})
+        print(f"  stages at {r['frames']} frames:", {k: v for k, v in r.items() if k.startswith("stage")})
     print(f"peak {results['peak_mem_GiB']} GiB")
 
     out = Path(args.out)

@@ -1,7 +1,7 @@
 """Video Sparse Attention (VSA) over the H3 packed sequence (notes/kernels_h200.md §1).
 
 The target video rows, a frame-major (T, H/2, W/2) token grid, are cut into 4x4x4 = 64-token cubes; edge cubes
-are padded to 64 slots, real tokens first, and placed after the full cubes (the kernel masks only those). The rows
+are padded to 64 slots, real tokens first, zeros after. The rows
 before the target video (text, condition, audio) are the dense prefix: they attend to every key, and every query
 attends to them. Each video query cube attends to the prefix plus its top-k video key cubes, ranked by pooled
 scores (mean q of the query cube . mean k of the key cube / sqrt(d)); this fine branch is exact softmax attention
@@ -50,7 +50,6 @@ class VSAPlan:
     video_order: torch.Tensor  # [num_cubes * 64] long: video row in each slot (padding slots: row 0, then zeroed)
     pad_slots: torch.Tensor  # [num padding slots] long
     cube_sizes: torch.Tensor  # [num_cubes] int32: real tokens per cube (the rest of its 64 slots are padding)
-    num_full_cubes: int  # cubes [0, num_full_cubes) are full, the partial (edge) cubes follow (a host int: no sync)
     prefix_tile: torch.Tensor  # [P] long: segment-pure 64-row chunk of each prefix row (coarse branch)
     prefix_tile_sizes: torch.Tensor  # [num_prefix_tiles] rows per chunk
 
@@ -99,16 +98,13 @@ def build_plan(layout: PackedLayout, patch: tuple[int, int] = (2, 2)) -> VSAPlan
     if not torch.equal(target, torch.arange(P, S)):
         raise ValueError("VSA needs the target video rows at the end of the packed sequence, frame-major")
 
-    # Full cubes, then partial ones, each in (t, h, w) order; inside a cube its real tokens in (t, h, w) order,
-    # then the padding slots.
+    # Cubes in (t, h, w) order; inside a cube its real tokens in (t, h, w) order, then the padding slots.
     ct, ch, cw = math.ceil(T / CUBE), math.ceil(h / CUBE), math.ceil(w / CUBE)
     grid = torch.full((ct * CUBE, ch * CUBE, cw * CUBE), -1, dtype=torch.long)
     grid[:T, :h, :w] = torch.arange(T * h * w).view(T, h, w)
     cubes = grid.view(ct, CUBE, ch, CUBE, cw, CUBE).permute(0, 2, 4, 1, 3, 5).reshape(-1, TILE)
-    cubes = cubes[(cubes < 0).any(dim=1).to(torch.int8).argsort(stable=True)]
     cubes = cubes.gather(1, (cubes < 0).to(torch.int8).argsort(dim=1, stable=True))
     real = cubes >= 0
-    num_full = int(real.all(dim=1).sum())
     video_slot = torch.empty(T * h * w, dtype=torch.long)
     video_slot[cubes[real]] = torch.arange(cubes.numel()).view_as(cubes)[real]
 
@@ -125,7 +121,7 @@ def build_plan(layout: PackedLayout, patch: tuple[int, int] = (2, 2)) -> VSAPlan
 
     pad_slots = torch.nonzero(~real.flatten()).flatten()
     return VSAPlan(S, P, (T, h, w), video_slot, cubes.flatten().clamp(min=0), pad_slots, real.sum(1).to(torch.int32),
-                   num_full, prefix_tile, torch.tensor(sizes, dtype=torch.long)).to(layout.position_ids.device)
+                   prefix_tile, torch.tensor(sizes, dtype=torch.long)).to(layout.position_ids.device)
 
 
 def topk_for_sparsity(sparsity: float, num_cubes: int) -> int:
@@ -145,6 +141,16 @@ def pool_prefix(x: torch.Tensor, plan: VSAPlan) -> torch.Tensor:
     sums = x.new_zeros(B, plan.prefix_tile_sizes.numel(), H, D, dtype=torch.float32)
     sums.index_add_(1, plan.prefix_tile, x[:, :plan.num_dense].float())
     return (sums / plan.prefix_tile_sizes.view(1, -1, 1, 1)).transpose(1, 2)
+
+
+def tile_and_pool(x: torch.Tensor, plan: VSAPlan, pool: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(plan.tile_video(x), pool_cubes of it if `pool` else None); one pass over x on the GPU."""
+    if x.is_cuda:
+        from engine.kernels import vsa_triton
+
+        return vsa_triton.tile_video(x, plan.video_order, plan.cube_sizes, plan.num_dense, pool)
+    tiled = plan.tile_video(x)
+    return tiled, pool_cubes(tiled, plan.cube_sizes) if pool else None
 
 
 def select_cubes(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -178,12 +184,14 @@ def fine_reference(qv, kv, vv, k_prefix, v_prefix, selected, cube_sizes) -> torc
     return out.permute(0, 2, 3, 1, 4).reshape(B, CT, H, D)
 
 
-def _fine(qv, kv, vv, k_prefix, v_prefix, selected, plan: VSAPlan) -> torch.Tensor:
+def _fine(qv, kv, vv, k_prefix, v_prefix, selected, plan: VSAPlan, out: torch.Tensor) -> torch.Tensor:
+    """The fine branch written untiled into out [B, S - P, H, D]."""
     if qv.is_cuda:
         from engine.kernels.vsa_triton import block_sparse_attention
 
-        return block_sparse_attention(qv, kv, vv, k_prefix, v_prefix, selected, plan.cube_sizes, plan.num_full_cubes)
-    return fine_reference(qv, kv, vv, k_prefix, v_prefix, selected, plan.cube_sizes)
+        return block_sparse_attention(qv, kv, vv, k_prefix, v_prefix, selected, plan.cube_sizes, plan.video_order,
+                                      out)
+    return plan.untile_video(fine_reference(qv, kv, vv, k_prefix, v_prefix, selected, plan.cube_sizes), out=out)
 
 
 def vsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VSAPlan, topk: int,
@@ -201,15 +209,16 @@ def vsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VSAPl
     if gate is not None and gate.shape != q.shape:
         raise ValueError(f"gate {tuple(gate.shape)} must match q {tuple(q.shape)} (under Ulysses SP it needs the "
                          "same all-to-all as q)")
-    qv, kv, vv = (plan.tile_video(x) for x in (q, k, v))
+    scored = topk < C or gate is not None
+    (qv, q_pool), (kv, k_pool) = (tile_and_pool(x, plan, scored) for x in (q, k))
+    vv, v_pool = tile_and_pool(v, plan, gate is not None)
 
     scores = None  # [B, H, tiles, tiles]: the video cubes, after the prefix chunks in trained-gate mode
-    if topk < C or gate is not None:
-        q_pool, k_pool = pool_cubes(qv, plan.cube_sizes), pool_cubes(kv, plan.cube_sizes)
+    if scored:
         if gate is not None:
             q_pool = torch.cat([pool_prefix(q, plan), q_pool], dim=2)
             k_pool = torch.cat([pool_prefix(k, plan), k_pool], dim=2)
-        scores = q_pool @ k_pool.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        scores = (q_pool / math.sqrt(q.shape[-1])) @ k_pool.transpose(-1, -2)  # scaling the small operand
     if topk == C:
         selected = torch.arange(C, device=q.device, dtype=torch.int32).expand(q.shape[0], q.shape[2], C, C)
     else:
@@ -219,11 +228,11 @@ def vsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VSAPl
     out = torch.empty_like(q)
     if P:
         out[:, :P] = attn.dense(q[:, :P], k, v)
-    plan.untile_video(_fine(qv, kv, vv, k[:, :P], v[:, :P], selected, plan), out=out[:, P:])
+    _fine(qv, kv, vv, k[:, :P], v[:, :P], selected, plan, out[:, P:])
     if gate is None:
         return out
 
-    v_pool = torch.cat([pool_prefix(v, plan), pool_cubes(vv, plan.cube_sizes)], dim=2)
+    v_pool = torch.cat([pool_prefix(v, plan), v_pool], dim=2)
     coarse = (scores.softmax(dim=-1) @ v_pool).transpose(1, 2).to(out.dtype)  # [B, tiles, H, D]
     tile_of_row = torch.cat([plan.prefix_tile, plan.prefix_tile_sizes.numel() + plan.video_slot // TILE])
     return out + gate * coarse.index_select(1, tile_of_row)

@@ -4,16 +4,22 @@ Cube selection: one program per (batch, head, query cube) finds the top-k scores
 the scores' order-preserving integer keys and writes the chosen key cubes in ascending order (ties go to the lower
 cube), replacing topk + sort (7.9 ms -> 2.4 ms for 99 792 rows of 1 782 at 362 frames on the H200).
 
-Fine attention: one program per (64-row query cube, batch, head) runs an online softmax over the dense prefix,
-then over its selected 64-row key cubes. Blocks arrive by TMA (host tensor descriptors). The plan puts the full
-cubes first, so a query cube's ascending selection is its full cubes, then the partial ones: only the latter
-(and the prefix's last block) pay for the padding mask, and no per-block size is read before them. The softmax
-scale rides on the exponent (exp2(s * c - m * c): one FMA per score). Without the mask and the size load in the
-main loop the kernel runs at ~400 instead of ~320 TFLOP/s of kept work at 362 frames on the H200. There it moves
-~6.8 TB/s of keys and values out of L2: loading the cubes alone takes 96 ms of its 115 ms, the math alone 89 ms.
+Tiling: one program per (cube, batch, 256 channels) gathers a cube's 64 slots from the packed rows (zeros on the
+padding slots) and, for q and k, writes the cube's mean too: one pass instead of a gather, a fill and a pooling
+read.
 
-bf16 (or fp16/fp32) in, fp32 accumulation; padding key slots of a cube (offset >= its size) are masked to -inf.
-Every block it visits holds at least one real key, so the running max is finite after the first block.
+Fine attention: one program per (64-row query cube, batch, head) runs an online softmax over the dense prefix,
+then over its selected 64-row key cubes. Blocks arrive by TMA (host tensor descriptors); the next cube's index is
+read a step early, so triton issues each cube's loads two steps ahead. The softmax scale rides on the exponent
+(exp2(s * c - m * c): one FMA per score). There is no padding mask: the padding keys (prefix rows past P, which TMA
+reads as zeros, and a cube's slots past its size, which the tiling zeroes) score exactly 0 and carry zero values,
+so each adds only exp2(-m * c) to the softmax sum, taken back out once at the end. A real query row whose max ends
+<= 0 (every real score <= 0) could lose its whole sum to that subtraction: its block reruns with the mask. The
+rows are stored straight to their places in the packed sequence (no untiling pass). Against masking the partial
+cubes, on the H200 with random inputs: 116.8 -> 112.7 ms at 362 frames, 14.9 -> 13.7 ms at 124. At 362 frames it
+is bound by L2 bandwidth (~7 TB/s of key and value cubes; loading them alone took 96 ms, the math alone 89).
+
+bf16 (or fp16/fp32) in, fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -62,6 +68,38 @@ def select_cubes(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 @triton.jit
+def _tile_kernel(X, T, POOL, ORDER, SIZES, s_xb, s_xs, P, CT, N,
+                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, POOLED: tl.constexpr):
+    cube = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK)
+    size = tl.load(SIZES + cube)
+    src = P + tl.load(ORDER + cube * BLOCK + rows)
+    x = tl.load(X + b * s_xb + src[:, None] * s_xs + cols[None, :], mask=(rows < size)[:, None] & (cols < N)[None, :],
+                other=0)
+    tl.store(T + (b * CT + cube * BLOCK + rows)[:, None] * N + cols[None, :], x, mask=(cols < N)[None, :])
+    if POOLED:
+        tl.store(POOL + (b * (CT // BLOCK) + cube) * N + cols, tl.sum(x.to(tl.float32), axis=0) / size, mask=cols < N)
+
+
+def tile_video(x: torch.Tensor, video_order: torch.Tensor, cube_sizes: torch.Tensor, num_dense: int,
+               pool: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`VSAPlan.tile_video` of x [B, S, H, D] ((H, D) packed, row and batch strides free) and, if `pool`,
+    `vsa.pool_cubes` of the result, in one pass: (tiled [B, C * 64, H, D], pooled [B, H, C, D] fp32 or None)."""
+    B, _, H, D = x.shape
+    if x.stride(3) != 1 or x.stride(2) != D:
+        raise ValueError("VSA tiling needs rows with packed heads")
+    CT, N, block_n = video_order.numel(), H * D, 256
+    tiled = torch.empty(B, CT, H, D, dtype=x.dtype, device=x.device)
+    pooled = torch.empty(B, CT // BLOCK, H, D, dtype=torch.float32, device=x.device) if pool else None
+    _tile_kernel[(CT // BLOCK, B, triton.cdiv(N, block_n))](
+        x, tiled, pooled if pool else tiled, video_order, cube_sizes, x.stride(0), x.stride(1), num_dense, CT, N,
+        BLOCK=BLOCK, BLOCK_N=block_n, POOLED=pool, num_warps=4)
+    return tiled, pooled.transpose(1, 2) if pool else None
+
+
+@triton.jit
 def _online_softmax_step(s, v, acc, m_i, l_i, scale_log2):
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.math.exp2(s * scale_log2 - (m_new * scale_log2)[:, None])
@@ -72,75 +110,88 @@ def _online_softmax_step(s, v, acc, m_i, l_i, scale_log2):
 
 
 @triton.jit
-def _fine_kernel(
-    Q, K, V, KP, VP, O, SEL, SIZES,
-    ssel_b, ssel_h, ssel_c,
-    H, P, CT, TOPK, NUM_FULL, scale_log2,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TOPK_POW2: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    cube = tl.program_id(0)
-    b = tl.program_id(1) // H
-    h = tl.program_id(1) % H
+def _attend(q, K, V, KP, VP, SIZES, sel, b, cube_row0, col, P, TOPK, scale_log2,
+            BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """Online softmax of one query block over the prefix, then its selected key cubes. MASKED: padding keys
+    (prefix rows past P, cube slots past the cube's size) get -inf; otherwise, being zero rows, they score 0."""
     rows = tl.arange(0, BLOCK)
-    col = h * HEAD_DIM
-
-    q = Q.load([b * CT + cube * BLOCK, col])
     acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK], dtype=tl.float32)
 
-    # Two stages for the prefix when the main loop prefetches: both CTAs of an SM keep fitting in shared memory.
-    for start in tl.range(0, P - BLOCK + 1, BLOCK, num_stages=2 if PREFETCH else 3):
+    # Buffers are counted so that two CTAs share an SM: the cube loop keeps three in flight, the prefix two and
+    # the rare masked rerun one.
+    for start in tl.range(0, P, BLOCK, num_stages=1 if MASKED else 2):
         k = KP.load([b, start, col]).reshape(BLOCK, HEAD_DIM)
         v = VP.load([b, start, col]).reshape(BLOCK, HEAD_DIM)
-        acc, m_i, l_i = _online_softmax_step(tl.dot(q, tl.trans(k)), v, acc, m_i, l_i, scale_log2)
-    if P % BLOCK:
-        start = P - P % BLOCK
-        k = KP.load([b, start, col]).reshape(BLOCK, HEAD_DIM)
-        v = VP.load([b, start, col]).reshape(BLOCK, HEAD_DIM)
-        s = tl.where((start + rows < P)[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            s = tl.where((start + rows < P)[None, :], s, float("-inf"))
         acc, m_i, l_i = _online_softmax_step(s, v, acc, m_i, l_i, scale_log2)
 
+    # The next index is read a step early: triton then issues each cube's loads two steps ahead instead of one.
+    next_cube = tl.load(sel)
+    for j in tl.range(0, TOPK, num_stages=1 if MASKED else 3):
+        key_cube = next_cube
+        next_cube = tl.load(sel + j + 1, mask=j + 1 < TOPK, other=0)
+        k = K.load([cube_row0 + key_cube * BLOCK, col])
+        v = V.load([cube_row0 + key_cube * BLOCK, col])
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            s = tl.where((rows < tl.load(SIZES + key_cube))[None, :], s, float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(s, v, acc, m_i, l_i, scale_log2)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fine_kernel(
+    Q, K, V, KP, VP, O, SEL, SIZES, ORDER,
+    ssel_b, ssel_h, ssel_c, so_b, so_s,
+    H, P, CT, TOPK, scale_log2,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TOPK_POW2: tl.constexpr,
+):
+    cube = tl.program_id(0)
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    col = h * HEAD_DIM
+    q = Q.load([b * CT + cube * BLOCK, col])
     sel = SEL + b.to(tl.int64) * ssel_b + h * ssel_h + cube * ssel_c
-    slots = tl.arange(0, TOPK_POW2)
-    num_full = tl.sum((tl.load(sel + slots, mask=slots < TOPK, other=NUM_FULL) < NUM_FULL).to(tl.int32), axis=0)
-    if PREFETCH:
-        next_cube = tl.load(sel)
-    for j in range(0, num_full):
-        if PREFETCH:  # the index a step early: triton then issues each cube's loads two steps ahead instead of one
-            key_cube = next_cube
-            next_cube = tl.load(sel + j + 1, mask=j + 1 < TOPK, other=0)
-        else:
-            key_cube = tl.load(sel + j)
-        k = K.load([b * CT + key_cube * BLOCK, col])
-        v = V.load([b * CT + key_cube * BLOCK, col])
-        acc, m_i, l_i = _online_softmax_step(tl.dot(q, tl.trans(k)), v, acc, m_i, l_i, scale_log2)
-    for j in range(num_full, TOPK):
-        key_cube = tl.load(sel + j)
-        k = K.load([b * CT + key_cube * BLOCK, col])
-        v = V.load([b * CT + key_cube * BLOCK, col])
-        s = tl.where((rows < tl.load(SIZES + key_cube))[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(s, v, acc, m_i, l_i, scale_log2)
 
-    O.store([b * CT + cube * BLOCK, col], (acc / l_i[:, None]).to(q.dtype))
+    acc, m_i, l_i = _attend(q, K, V, KP, VP, SIZES, sel, b, b * CT, col, P, TOPK, scale_log2,
+                            BLOCK, HEAD_DIM, MASKED=False)
+    # Each padding key scored exactly 0: it added exp2(-m * c) to the sum and nothing to acc (its value is zero).
+    slots = tl.arange(0, TOPK_POW2)
+    sizes = tl.load(SIZES + tl.load(sel + slots, mask=slots < TOPK, other=0), mask=slots < TOPK, other=BLOCK)
+    num_pad = (BLOCK - P % BLOCK) % BLOCK + tl.sum(BLOCK - sizes, axis=0)
+    l_i -= num_pad * tl.math.exp2(-m_i * scale_log2)
+    # A real query row whose max is <= 0 may have scored all its real keys below the padding's 0, and then that
+    # subtraction can cancel their whole sum (a row with a real score > 0 keeps l >= 1): rerun the block masked.
+    exposed = (m_i <= 0) & (tl.arange(0, BLOCK) < tl.load(SIZES + cube))
+    if tl.max(exposed.to(tl.int32), axis=0) > 0:
+        acc, m_i, l_i = _attend(q, K, V, KP, VP, SIZES, sel, b, b * CT, col, P, TOPK, scale_log2,
+                                BLOCK, HEAD_DIM, MASKED=True)
+
+    # Straight to the rows' places in the packed sequence: no untiling pass.
+    rows = tl.arange(0, BLOCK)
+    dest = tl.load(ORDER + cube * BLOCK + rows).to(tl.int64)
+    cols = col + tl.arange(0, HEAD_DIM)
+    tl.store(O + b.to(tl.int64) * so_b + dest[:, None] * so_s + cols[None, :], (acc / l_i[:, None]).to(q.dtype),
+             mask=(rows < tl.load(SIZES + cube))[:, None])
 
 
 def block_sparse_attention(qv: torch.Tensor, kv: torch.Tensor, vv: torch.Tensor, k_prefix: torch.Tensor,
                            v_prefix: torch.Tensor, selected: torch.Tensor, cube_sizes: torch.Tensor,
-                           num_full: int = 0, prefetch: bool | None = None, num_warps: int = 4,
-                           num_stages: int = 3) -> torch.Tensor:
-    """Same contract as `vsa.fine_reference`: qv, kv, vv [B, C * 64, H, D] cube-major, contiguous; k_prefix,
-    v_prefix [B, P, H, D] with (H, D) packed (row and batch strides free: slices of the fused QKV work);
-    selected [B, H, C, K] int32 key cubes, ascending along K (any strides); cube_sizes [C] int32.
-    `num_full`: cubes [0, num_full) hold 64 real tokens each, so they need no padding mask (0 is always right).
-    `prefetch`: issue the full cubes' loads two steps ahead; by default when one head's keys and values fit in the
-    L2 cache (H200: 15.5 -> 14.8 ms at 124 frames, where they take 22 MB; 114.9 -> 118.4 ms at 362, 58 MB)."""
+                           video_order: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`vsa.fine_reference` untiled into `out`: qv, kv, vv [B, C * 64, H, D] cube-major, contiguous, with zeros on
+    the padding slots of kv and vv (`VSAPlan.tile_video` writes them); k_prefix, v_prefix [B, P, H, D] and out
+    [B, S - P, H, D] with (H, D) packed (row and batch strides free: slices of the fused QKV work); selected
+    [B, H, C, K] int32 key cubes, ascending along K (any strides); cube_sizes [C] int32; video_order [C * 64] the
+    video row of each slot (`VSAPlan.video_order`). Returns out."""
     B, CT, H, D = qv.shape
     P = k_prefix.shape[1]
     if not all(x.is_contiguous() for x in (qv, kv, vv)) or any(
-            x.stride(3) != 1 or x.stride(2) != D for x in (k_prefix, v_prefix)):
-        raise ValueError("VSA kernel needs contiguous cube buffers and prefix rows with packed heads")
-    out = torch.empty_like(qv)
+            x.stride(3) != 1 or x.stride(2) != D for x in (k_prefix, v_prefix, out)):
+        raise ValueError("VSA kernel needs contiguous cube buffers and prefix and output rows with packed heads")
 
     def cube_rows(x):  # [B * C * 64, H * D]; a block is one 64-row cube of one head
         return TensorDescriptor(x, [B * CT, H * D], [H * D, 1], [BLOCK, D])
@@ -148,15 +199,11 @@ def block_sparse_attention(qv: torch.Tensor, kv: torch.Tensor, vv: torch.Tensor,
     def prefix_rows(x):  # [B, P, H * D]; rows past P read as zeros
         return TensorDescriptor(x, [B, P, H * D], [x.stride(0), x.stride(1), 1], [1, BLOCK, D])
 
-    if prefetch is None:
-        head_kv_bytes = 2 * CT * D * qv.element_size()
-        prefetch = qv.is_cuda and head_kv_bytes <= torch.cuda.get_device_properties(qv.device).L2_cache_size
     topk = selected.shape[-1]
     _fine_kernel[(CT // BLOCK, B * H)](
-        cube_rows(qv), cube_rows(kv), cube_rows(vv), prefix_rows(k_prefix), prefix_rows(v_prefix), cube_rows(out),
-        selected, cube_sizes.to(torch.int32), selected.stride(0), selected.stride(1), selected.stride(2),
-        H, P, CT, topk, num_full, D**-0.5 * math.log2(math.e),
-        BLOCK=BLOCK, HEAD_DIM=D, TOPK_POW2=triton.next_power_of_2(topk), PREFETCH=prefetch,
-        num_warps=num_warps, num_stages=num_stages,
+        cube_rows(qv), cube_rows(kv), cube_rows(vv), prefix_rows(k_prefix), prefix_rows(v_prefix), out,
+        selected, cube_sizes.to(torch.int32), video_order, selected.stride(0), selected.stride(1), selected.stride(2),
+        out.stride(0), out.stride(1), H, P, CT, topk, D**-0.5 * math.log2(math.e),
+        BLOCK=BLOCK, HEAD_DIM=D, TOPK_POW2=triton.next_power_of_2(topk), num_warps=4,
     )
     return out
