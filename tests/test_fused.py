@@ -77,12 +77,13 @@ def test_qk_norm_rope_kernel_matches_reference(kernels, heads, head_dim, rope_di
         rope = rope_table(positions, inv_freq)
         assert rope[0].shape == (S, rope_dim)
     want = fused.qk_norm_rope(qkv, heads, q_norm, k_norm, rope)
-    got = kernels.qk_norm_rope(*on(qkv), heads, *on(q_norm.weight, k_norm.weight), q_norm.eps,
-                               rope and on(*rope))
-    for a, b in zip(got, want):
-        assert a.shape == b.shape == (B, S, heads, head_dim)
-        assert rel_err(a, b) <= 1e-5
-    assert all(t.is_contiguous() for t in got)
+    for head_major in (False, True):
+        got = kernels.qk_norm_rope(*on(qkv), heads, *on(q_norm.weight, k_norm.weight), q_norm.eps,
+                                   rope and on(*rope), head_major)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape == (B, S, heads, head_dim)
+            assert rel_err(a, b) <= 1e-5
+        assert all((t.transpose(1, 2) if head_major else t).is_contiguous() for t in got)
 
 
 def test_qk_norm_rope_kernel_on_the_model_rope_table(kernels):
@@ -93,7 +94,7 @@ def test_qk_norm_rope_kernel_on_the_model_rope_table(kernels):
     qkv = torch.randn(1, S, 3 * heads * D, generator=g).bfloat16()
     q_norm, k_norm = norm(D, g).bfloat16(), norm(D, g).bfloat16()
     want = fused.qk_norm_rope(qkv.float(), heads, q_norm.float(), k_norm.float(), rope)
-    got = kernels.qk_norm_rope(*on(qkv), heads, *on(q_norm.weight, k_norm.weight), q_norm.eps, on(*rope))
+    got = kernels.qk_norm_rope(*on(qkv), heads, *on(q_norm.weight, k_norm.weight), q_norm.eps, on(*rope), True)
     for a, b in zip(got, want):
         assert a.dtype == torch.bfloat16 and rel_err(a, b) <= 1e-2
 

@@ -201,7 +201,8 @@ def test_triton_kernel_matches_reference():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plan = vsa.build_plan(make_layout(T=5, h=5, w=6, text=9, audio=40)).to(device)
     assert plan.num_dense % 64 and bool((plan.cube_sizes < 64).any())  # padding in the prefix and in cubes
-    q, k, v = (x.to(device) for x in qkv(plan.seq_len, D=32))
+    # Head-major views, as the fused q/k-norm + RoPE kernel hands them over.
+    q, k, v = (x.to(device).transpose(1, 2).contiguous().transpose(1, 2) for x in qkv(plan.seq_len, D=32))
     P = plan.num_dense
     tol = 1e-2 if device == "cuda" else 1e-5  # tf32 dots on the GPU
     # Second case: every real score far below 0, so the padding keys' exact 0 is each row's max and subtracting
@@ -212,21 +213,24 @@ def test_triton_kernel_matches_reference():
         selected = vsa.select_cubes(scores, 3)
         args = (qv, kv, vv, k[:, :P], v[:, :P], selected, plan.cube_sizes)
         ref = plan.untile_video(vsa.fine_reference(*args))
-        out = torch.full_like(q, float("nan"))
+        out = q.new_full(q.shape, float("nan"))
         block_sparse_attention(*args, plan.video_order, out[:, P:])  # writes every video row, untiled, in place
         assert rel_err(out[:, P:], ref) <= tol
         assert out[:, :P].isnan().all()
 
 
 def test_triton_tiling_matches_plan():
-    """The one-pass tiling (+ cube means) equals VSAPlan.tile_video (+ pool_cubes), from strided rows."""
+    """The one-pass tiling (+ cube means) equals VSAPlan.tile_video (+ pool_cubes), from strided and head-major
+    rows."""
     tile_video = load_kernels("engine.kernels.vsa_triton").tile_video
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plan = vsa.build_plan(make_layout(T=5, h=5, w=6, text=9, audio=40)).to(device)
-    x = torch.randn(2, plan.seq_len, 3, 5, 32, device=device)[:, :, 1]  # [B, S, H, D]: rows strided like fused QKV
-    tiled, pooled = tile_video(x, plan.video_order, plan.cube_sizes, plan.num_dense, pool=True)
-    assert torch.equal(tiled, plan.tile_video(x))
-    assert torch.allclose(pooled, vsa.pool_cubes(plan.tile_video(x), plan.cube_sizes), rtol=1e-5, atol=1e-6)
+    strided = torch.randn(2, plan.seq_len, 3, 5, 32, device=device)[:, :, 1]  # [B, S, H, D] sliced from fused QKV
+    head_major = torch.randn(2, 5, plan.seq_len, 32, device=device).transpose(1, 2)
+    for x in (strided, head_major):
+        tiled, pooled = tile_video(x, plan.video_order, plan.cube_sizes, plan.num_dense, pool=True)
+        assert torch.equal(tiled, plan.tile_video(x))
+        assert torch.allclose(pooled, vsa.pool_cubes(plan.tile_video(x), plan.cube_sizes), rtol=1e-5, atol=1e-6)
     assert tile_video(x, plan.video_order, plan.cube_sizes, plan.num_dense, pool=False)[1] is None
 
 
@@ -281,13 +285,13 @@ HOPPER_BUILD = textwrap.dedent("""
         assert compiled.metadata.shared <= 227 * 1024 // 2 - 1024, compiled.metadata.shared
         print(fn.__name__, compiled.metadata.shared, "bytes of shared memory")
 
-    tile, rows = "tensordesc<bf16[64,128]>", "tensordesc<bf16[1,64,128]>"
+    tile, rows = "tensordesc<bf16[64,128]>", "tensordesc<bf16[1,64,1,128]>"
     build(kernels._fine_kernel, dict(Q=tile, K=tile, V=tile, KP=rows, VP=rows, O="*bf16", SEL="*i32", SIZES="*i32",
                                      ORDER="*i64", scale_log2="fp32"), dict(BLOCK=64, HEAD_DIM=128, TOPK_POW2=256),
           num_warps=4)
     for pooled in (False, True):
         build(kernels._tile_kernel, dict(X="*bf16", T="*bf16", POOL="*fp32", ORDER="*i64", SIZES="*i32"),
-              dict(BLOCK=64, BLOCK_N=256, POOLED=pooled), num_warps=4)
+              dict(BLOCK=64, BLOCK_N=256, HEAD_DIM=128, POOLED=pooled), num_warps=4)
     build(kernels._select_kernel, dict(SCORES="*fp32", SEL="*i32"), dict(BLOCK_C=2048), num_warps=1)
 """)
 

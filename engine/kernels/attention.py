@@ -136,6 +136,11 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return _BACKENDS[choose(q.device)](q, k, v)
 
 
+def sparse_active() -> bool:
+    """Whether VSA (engine.kernels.vsa.active) may take attention calls now."""
+    return _sparse is not None
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if _sparse is not None and (out := _sparse(q, k, v)) is not None:
         return out

@@ -71,12 +71,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def qk_norm_rope(qkv: torch.Tensor, heads: int, q_norm: nn.RMSNorm, k_norm: nn.RMSNorm,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
-    """Fused QKV projection [B, S, 3 * heads * D] -> q, k (per-head RMSNorm, then RoPE when given), v; [B, S, H, D]."""
+                 rope: tuple[torch.Tensor, torch.Tensor] | None, head_major: bool = False) -> tuple[torch.Tensor, ...]:
+    """Fused QKV projection [B, S, 3 * heads * D] -> q, k (per-head RMSNorm, then RoPE when given), v; [B, S, H, D].
+    `head_major`: the kernel's outputs are views of [B, H, S, D] buffers (dense FA3 reads those faster)."""
     if _triton(qkv):
         from engine.kernels import fused_triton
 
-        return fused_triton.qk_norm_rope(qkv, heads, q_norm.weight, k_norm.weight, q_norm.eps, rope)
+        return fused_triton.qk_norm_rope(qkv, heads, q_norm.weight, k_norm.weight, q_norm.eps, rope, head_major)
     q, k, v = qkv.unflatten(-1, (3, heads, -1)).unbind(2)
     q, k = q_norm(q), k_norm(k)
     if rope is not None:

@@ -225,7 +225,7 @@ def vsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VSAPl
         first_cube = scores.shape[-1] - C
         selected = select_cubes(scores[..., first_cube:, first_cube:], topk)
 
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # heads packed whatever q's layout: the output projection reads rows
     if P:
         out[:, :P] = attn.dense(q[:, :P], k, v)
     _fine(qv, kv, vv, k[:, :P], v[:, :P], selected, plan, out[:, P:])

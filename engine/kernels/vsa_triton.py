@@ -68,16 +68,17 @@ def select_cubes(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 @triton.jit
-def _tile_kernel(X, T, POOL, ORDER, SIZES, s_xb, s_xs, P, CT, N,
-                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, POOLED: tl.constexpr):
+def _tile_kernel(X, T, POOL, ORDER, SIZES, s_xb, s_xs, s_xh, P, CT, N,
+                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, POOLED: tl.constexpr):
     cube = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK)
     size = tl.load(SIZES + cube)
     src = P + tl.load(ORDER + cube * BLOCK + rows)
-    x = tl.load(X + b * s_xb + src[:, None] * s_xs + cols[None, :], mask=(rows < size)[:, None] & (cols < N)[None, :],
-                other=0)
+    channel = cols // HEAD_DIM * s_xh + cols % HEAD_DIM
+    x = tl.load(X + b * s_xb + src[:, None] * s_xs + channel[None, :],
+                mask=(rows < size)[:, None] & (cols < N)[None, :], other=0)
     tl.store(T + (b * CT + cube * BLOCK + rows)[:, None] * N + cols[None, :], x, mask=(cols < N)[None, :])
     if POOLED:
         tl.store(POOL + (b * (CT // BLOCK) + cube) * N + cols, tl.sum(x.to(tl.float32), axis=0) / size, mask=cols < N)
@@ -85,17 +86,17 @@ def _tile_kernel(X, T, POOL, ORDER, SIZES, s_xb, s_xs, P, CT, N,
 
 def tile_video(x: torch.Tensor, video_order: torch.Tensor, cube_sizes: torch.Tensor, num_dense: int,
                pool: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`VSAPlan.tile_video` of x [B, S, H, D] ((H, D) packed, row and batch strides free) and, if `pool`,
+    """`VSAPlan.tile_video` of x [B, S, H, D] (any strides but a contiguous last dim) and, if `pool`,
     `vsa.pool_cubes` of the result, in one pass: (tiled [B, C * 64, H, D], pooled [B, H, C, D] fp32 or None)."""
     B, _, H, D = x.shape
-    if x.stride(3) != 1 or x.stride(2) != D:
-        raise ValueError("VSA tiling needs rows with packed heads")
+    if x.stride(3) != 1:
+        raise ValueError("VSA tiling needs a contiguous head dim")
     CT, N, block_n = video_order.numel(), H * D, 256
     tiled = torch.empty(B, CT, H, D, dtype=x.dtype, device=x.device)
     pooled = torch.empty(B, CT // BLOCK, H, D, dtype=torch.float32, device=x.device) if pool else None
     _tile_kernel[(CT // BLOCK, B, triton.cdiv(N, block_n))](
-        x, tiled, pooled if pool else tiled, video_order, cube_sizes, x.stride(0), x.stride(1), num_dense, CT, N,
-        BLOCK=BLOCK, BLOCK_N=block_n, POOLED=pool, num_warps=4)
+        x, tiled, pooled if pool else tiled, video_order, cube_sizes, x.stride(0), x.stride(1), x.stride(2), num_dense,
+        CT, N, BLOCK=BLOCK, BLOCK_N=block_n, HEAD_DIM=D, POOLED=pool, num_warps=4)
     return tiled, pooled.transpose(1, 2) if pool else None
 
 
@@ -110,7 +111,7 @@ def _online_softmax_step(s, v, acc, m_i, l_i, scale_log2):
 
 
 @triton.jit
-def _attend(q, K, V, KP, VP, SIZES, sel, b, cube_row0, col, P, TOPK, scale_log2,
+def _attend(q, K, V, KP, VP, SIZES, sel, b, h, cube_row0, col, P, TOPK, scale_log2,
             BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
     """Online softmax of one query block over the prefix, then its selected key cubes. MASKED: padding keys
     (prefix rows past P, cube slots past the cube's size) get -inf; otherwise, being zero rows, they score 0."""
@@ -122,8 +123,8 @@ def _attend(q, K, V, KP, VP, SIZES, sel, b, cube_row0, col, P, TOPK, scale_log2,
     # Buffers are counted so that two CTAs share an SM: the cube loop keeps three in flight, the prefix two and
     # the rare masked rerun one.
     for start in tl.range(0, P, BLOCK, num_stages=1 if MASKED else 2):
-        k = KP.load([b, start, col]).reshape(BLOCK, HEAD_DIM)
-        v = VP.load([b, start, col]).reshape(BLOCK, HEAD_DIM)
+        k = KP.load([b, start, h, 0]).reshape(BLOCK, HEAD_DIM)
+        v = VP.load([b, start, h, 0]).reshape(BLOCK, HEAD_DIM)
         s = tl.dot(q, tl.trans(k))
         if MASKED:
             s = tl.where((start + rows < P)[None, :], s, float("-inf"))
@@ -157,7 +158,7 @@ def _fine_kernel(
     q = Q.load([b * CT + cube * BLOCK, col])
     sel = SEL + b.to(tl.int64) * ssel_b + h * ssel_h + cube * ssel_c
 
-    acc, m_i, l_i = _attend(q, K, V, KP, VP, SIZES, sel, b, b * CT, col, P, TOPK, scale_log2,
+    acc, m_i, l_i = _attend(q, K, V, KP, VP, SIZES, sel, b, h, b * CT, col, P, TOPK, scale_log2,
                             BLOCK, HEAD_DIM, MASKED=False)
     # Each padding key scored exactly 0: it added exp2(-m * c) to the sum and nothing to acc (its value is zero).
     slots = tl.arange(0, TOPK_POW2)
@@ -168,7 +169,7 @@ def _fine_kernel(
     # subtraction can cancel their whole sum (a row with a real score > 0 keeps l >= 1): rerun the block masked.
     exposed = (m_i <= 0) & (tl.arange(0, BLOCK) < tl.load(SIZES + cube))
     if tl.max(exposed.to(tl.int32), axis=0) > 0:
-        acc, m_i, l_i = _attend(q, K, V, KP, VP, SIZES, sel, b, b * CT, col, P, TOPK, scale_log2,
+        acc, m_i, l_i = _attend(q, K, V, KP, VP, SIZES, sel, b, h, b * CT, col, P, TOPK, scale_log2,
                                 BLOCK, HEAD_DIM, MASKED=True)
 
     # Straight to the rows' places in the packed sequence: no untiling pass.
@@ -184,20 +185,21 @@ def block_sparse_attention(qv: torch.Tensor, kv: torch.Tensor, vv: torch.Tensor,
                            video_order: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`vsa.fine_reference` untiled into `out`: qv, kv, vv [B, C * 64, H, D] cube-major, contiguous, with zeros on
     the padding slots of kv and vv (`VSAPlan.tile_video` writes them); k_prefix, v_prefix [B, P, H, D] and out
-    [B, S - P, H, D] with (H, D) packed (row and batch strides free: slices of the fused QKV work); selected
-    [B, H, C, K] int32 key cubes, ascending along K (any strides); cube_sizes [C] int32; video_order [C * 64] the
-    video row of each slot (`VSAPlan.video_order`). Returns out."""
+    [B, S - P, H, D] with contiguous last dims (and out's heads packed); selected [B, H, C, K] int32 key cubes,
+    ascending along K (any strides); cube_sizes [C] int32; video_order [C * 64] the video row of each slot
+    (`VSAPlan.video_order`). Returns out."""
     B, CT, H, D = qv.shape
     P = k_prefix.shape[1]
     if not all(x.is_contiguous() for x in (qv, kv, vv)) or any(
-            x.stride(3) != 1 or x.stride(2) != D for x in (k_prefix, v_prefix, out)):
-        raise ValueError("VSA kernel needs contiguous cube buffers and prefix and output rows with packed heads")
+            x.stride(3) != 1 for x in (k_prefix, v_prefix, out)) or out.stride(2) != D:
+        raise ValueError("VSA kernel needs contiguous cube buffers, a contiguous head dim and output rows with "
+                         "packed heads")
 
     def cube_rows(x):  # [B * C * 64, H * D]; a block is one 64-row cube of one head
         return TensorDescriptor(x, [B * CT, H * D], [H * D, 1], [BLOCK, D])
 
-    def prefix_rows(x):  # [B, P, H * D]; rows past P read as zeros
-        return TensorDescriptor(x, [B, P, H * D], [x.stride(0), x.stride(1), 1], [1, BLOCK, D])
+    def prefix_rows(x):  # [B, P, H, D]; a block is 64 rows of one head; rows past P read as zeros
+        return TensorDescriptor(x, [B, P, H, D], [x.stride(0), x.stride(1), x.stride(2), 1], [1, BLOCK, 1, D])
 
     topk = selected.shape[-1]
     _fine_kernel[(CT // BLOCK, B * H)](

