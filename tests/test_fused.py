@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from engine.kernels import fused
+from engine.kernels import fused, vsa
 from engine.models.h3.dit import rope_inv_freq, rope_table
 from engine.models.h3.config import TINY
 from triton_interpreter import load_kernels
@@ -115,11 +115,24 @@ def test_kernels_refuse_a_table_of_the_wrong_width(kernels):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run swaps the kernels in; on a GPU they are the default")
 @torch.no_grad()
 def test_dit_with_the_kernels_equals_the_eager_dit(kernels, monkeypatch):
-    """The whole tiny DiT (token refiner, 2 blocks, partial RoPE) with every fused op on the Triton path."""
+    """The whole tiny DiT (token refiner, 2 blocks, partial RoPE) with every fused op on the Triton path, dense (q/k/v
+    head-major, as FA3 wants them) and under VSA (row-major, as its tiling wants them)."""
     from test_vsa import dit_case
 
-    model, _, args = dit_case()
+    model, layout, args = dit_case()
+    plan = vsa.build_plan(layout)
     eager = model(*args)
+    with vsa.active(plan, topk=2):
+        eager_sparse = model(*args)
     monkeypatch.setattr(fused, "_triton", lambda x: True)
+    layouts = []
+    qk_norm_rope = kernels.qk_norm_rope
+    monkeypatch.setattr(kernels, "qk_norm_rope", lambda *a: layouts.append(a[-1]) or qk_norm_rope(*a))
     for a, b in zip(model(*args), eager):
         assert rel_err(a, b) <= 1e-5
+    assert layouts and all(layouts)
+    layouts.clear()
+    with vsa.active(plan, topk=2):
+        for a, b in zip(model(*args), eager_sparse):
+            assert rel_err(a, b) <= 1e-5
+    assert layouts and not any(layouts)

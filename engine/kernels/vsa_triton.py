@@ -76,7 +76,7 @@ def _tile_kernel(X, T, POOL, ORDER, SIZES, s_xb, s_xs, s_xh, P, CT, N,
     rows = tl.arange(0, BLOCK)
     size = tl.load(SIZES + cube)
     src = P + tl.load(ORDER + cube * BLOCK + rows)
-    channel = cols // HEAD_DIM * s_xh + cols % HEAD_DIM
+    channel = (cols // HEAD_DIM).to(tl.int64) * s_xh + cols % HEAD_DIM  # head-major x: s_xh = S * D
     x = tl.load(X + b * s_xb + src[:, None] * s_xs + channel[None, :],
                 mask=(rows < size)[:, None] & (cols < N)[None, :], other=0)
     tl.store(T + (b * CT + cube * BLOCK + rows)[:, None] * N + cols[None, :], x, mask=(cols < N)[None, :])
