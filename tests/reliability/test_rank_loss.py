@@ -29,6 +29,9 @@ def test_killed_rank_fails_the_job_readably_and_auto_launch_brings_the_engine_ba
         await wait_until(lambda: job.done() or any(bar.updates for bar in comfy.ProgressBar.created), 120,
                          "the first denoising step")
         engine = launcher.launched(url)
+        # Seen once in a CI run (no engine running here at this point; not reproduced alone or with tests/reliability):
+        # if it happens again, the message says why the engine is gone or how the job ended.
+        assert engine is not None, (launcher.exit_report(url), job.done() and not job.cancelled() and job.exception())
         os.kill(rank_pids(engine.pid)[1], signal.SIGKILL)
         with pytest.raises(RuntimeError) as caught:
             await asyncio.wait_for(job, 60)
