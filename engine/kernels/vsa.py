@@ -1,11 +1,10 @@
 """Video Sparse Attention (VSA) over the H3 packed sequence (notes/kernels_h200.md §1).
 
 The target video rows, a frame-major (T, H/2, W/2) token grid, are cut into 4x4x4 = 64-token cubes; edge cubes
-are padded to 64 slots, real tokens first, zeros after. The rows
-before the target video (text, condition, audio) are the dense prefix: they attend to every key, and every query
-attends to them. Each video query cube attends to the prefix plus its top-k video key cubes, ranked by pooled
-scores (mean q of the query cube . mean k of the key cube / sqrt(d)); this fine branch is exact softmax attention
-over the kept keys.
+are padded to 64 slots, real tokens first, zeros after. The rows before the target video (text, condition, audio)
+are the dense prefix: they attend to every key, and every query attends to them. Each video query cube attends
+to the prefix plus its top-k video key cubes, ranked by pooled scores (mean q of the query cube . mean k of the
+key cube / sqrt(d)); this fine branch is exact softmax attention over the kept keys.
 
 Trained-gate mode (FastH3 VSA checkpoints) adds the coarse branch as FastVideo's VSA-H3 backend does
 (`fastvideo/attention/backends/video_sparse_attn_h3.py`, `fastvideo/models/dits/minimax_h3.py`):

@@ -155,6 +155,7 @@ def _fine_kernel(
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
     col = h * HEAD_DIM
+    rows = tl.arange(0, BLOCK)
     q = Q.load([b * CT + cube * BLOCK, col])
     sel = SEL + b.to(tl.int64) * ssel_b + h * ssel_h + cube * ssel_c
 
@@ -167,17 +168,17 @@ def _fine_kernel(
     l_i -= num_pad * tl.math.exp2(-m_i * scale_log2)
     # A real query row whose max is <= 0 may have scored all its real keys below the padding's 0, and then that
     # subtraction can cancel their whole sum (a row with a real score > 0 keeps l >= 1): rerun the block masked.
-    exposed = (m_i <= 0) & (tl.arange(0, BLOCK) < tl.load(SIZES + cube))
+    real_rows = rows < tl.load(SIZES + cube)
+    exposed = (m_i <= 0) & real_rows
     if tl.max(exposed.to(tl.int32), axis=0) > 0:
         acc, m_i, l_i = _attend(q, K, V, KP, VP, SIZES, sel, b, h, b * CT, col, P, TOPK, scale_log2,
                                 BLOCK, HEAD_DIM, MASKED=True)
 
     # Straight to the rows' places in the packed sequence: no untiling pass.
-    rows = tl.arange(0, BLOCK)
-    dest = tl.load(ORDER + cube * BLOCK + rows).to(tl.int64)
+    dest = tl.load(ORDER + cube * BLOCK + rows)  # int64
     cols = col + tl.arange(0, HEAD_DIM)
     tl.store(O + b.to(tl.int64) * so_b + dest[:, None] * so_s + cols[None, :], (acc / l_i[:, None]).to(q.dtype),
-             mask=(rows < tl.load(SIZES + cube))[:, None])
+             mask=real_rows[:, None])
 
 
 def block_sparse_attention(qv: torch.Tensor, kv: torch.Tensor, vv: torch.Tensor, k_prefix: torch.Tensor,
