@@ -31,6 +31,7 @@ import math
 import os
 import re
 import struct
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -129,13 +130,19 @@ def frames_following(msg: dict) -> list[str]:
 # ---- tensor frames ---------------------------------------------------------------------------------------
 
 
-def encode_tensor(name: str, array) -> bytes:
+def encode_tensor(name: str, array, deflate: bool = False) -> bytes:
+    """One binary frame: prefix, JSON header, the array's bytes (zlib-compressed with `deflate`: masks shrink a
+    hundredfold, and a 15 s per-frame mask at 1344x768 would not fit the tensor limit otherwise)."""
     import numpy as np
 
     array = np.asarray(array)
     array = array.astype(array.dtype.newbyteorder("<"), copy=False)  # tobytes() below writes C order
-    header = json.dumps({"name": name, "dtype": array.dtype.name, "shape": list(array.shape)}).encode()
-    return _PREFIX.pack(FRAME_MAGIC, len(header)) + header + array.tobytes()
+    fields = {"name": name, "dtype": array.dtype.name, "shape": list(array.shape)}
+    payload = array.tobytes()
+    if deflate:
+        fields["deflate"], payload = True, zlib.compress(payload, 1)
+    header = json.dumps(fields).encode()
+    return _PREFIX.pack(FRAME_MAGIC, len(header)) + header + payload
 
 
 def decode_tensor(data: bytes, limits: Limits | None = None):
@@ -172,6 +179,15 @@ def decode_tensor(data: bytes, limits: Limits | None = None):
         raise ProtocolError("too_large", f"Tensor {name!r} of {_mib(nbytes)} is over the engine's limit of "
                                          f"{_mib(limits.max_tensor_bytes)}.")
     payload = memoryview(data)[_PREFIX.size + header_len:]
+    if header.get("deflate") is True:  # inflated no further than the declared size (a zip bomb stops there)
+        inflater = zlib.decompressobj()
+        try:
+            payload = inflater.decompress(payload, nbytes + 1)
+        except zlib.error:
+            raise ProtocolError("bad_tensor", f"Tensor {name!r} is not valid deflate data.") from None
+        if not inflater.eof:
+            raise ProtocolError("bad_tensor", f"Tensor {name!r} inflates to more than its declared {dtype_name} "
+                                              f"{shape} ({nbytes} bytes).")
     if len(payload) != nbytes:
         raise ProtocolError("bad_tensor", f"Tensor {name!r} declares {dtype_name} {shape} ({nbytes} bytes) but the "
                                           f"frame carries {len(payload)} bytes.")
@@ -487,11 +503,8 @@ def _check_mask(task: str, array) -> None:
 
 def mask_mismatch(mask_shape, frames_shape) -> str | None:
     """Why a mask [H, W] / [F, H, W] does not fit a video [F, H, W, 3], or None. Shared by the engine and the
-    Mask Preview node."""
-    frames, height, width = frames_shape[:3]
-    mask_h, mask_w = mask_shape[-2:]
-    if (mask_h, mask_w) != (height, width):
-        return f"The mask is {mask_w}x{mask_h} but the video is {width}x{height}: make the mask at the video's size."
+    Mask Preview node. A mask of another size is no mismatch: it is resized to the video."""
+    frames = frames_shape[0]
     if len(mask_shape) == 3 and mask_shape[0] not in (1, frames):
         return (f"The mask has {mask_shape[0]} frames but the video has {frames}: give one mask for all frames or "
                 f"one per frame.")

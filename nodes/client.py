@@ -26,6 +26,9 @@ except ImportError:
     from engine import protocol  # the repository root on sys.path (tests, scripts)
 
 RECONNECT_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # one reconnect attempt after each
+CONNECT_RETRY_S = 0.5  # pause between connection attempts while nothing listens yet (an engine restarting)
+OFF_LOOP_BYTES = 1 << 20  # tensors above this are checked and encoded on a worker thread
+DEFLATED_TENSORS = ("mask",)  # sent zlib-compressed: a per-frame mask of a long clip is huge, and mostly runs
 CANCEL_GRACE_S = 30.0  # how long to wait for the engine to confirm a cancel (it stops at the next step)
 HEARTBEAT_S = 30.0  # WebSocket ping interval; no pong within half of it (a frozen engine) drops the connection
 
@@ -81,7 +84,9 @@ class _Dropped(Exception):
 
 class EngineClient:
     def __init__(self, url: str = protocol.DEFAULT_URL, token: str | None = None, connect_timeout: float = 5.0,
-                 token_file: str | None = None):
+                 token_file: str | None = None, connect_wait: float | None = None):
+        """`connect_timeout` bounds one connection attempt; attempts go on for `connect_wait` seconds in all
+        (default 4 x connect_timeout) before the engine counts as unreachable."""
         parts = urlsplit(url if "://" in url else f"ws://{url}")
         if parts.scheme not in ("ws", "wss", "http", "https") or not parts.netloc:
             raise EngineError("bad_url", f"Engine URL {url!r} should look like ws://127.0.0.1:8190.")
@@ -97,6 +102,7 @@ class EngineClient:
         else:
             self.token_source = f"a connection without a token (none given, and no token file at {token_path})"
         self.connect_timeout = connect_timeout
+        self.connect_wait = 4 * connect_timeout if connect_wait is None else connect_wait
 
     # ---- HTTP ------------------------------------------------------------------------------------------------
     async def health(self) -> dict:
@@ -107,7 +113,8 @@ class EngineClient:
 
     async def _get(self, path: str) -> dict:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        try:
+
+        async def attempt():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.connect_timeout)) as session:
                 async with session.get(self.http_url + path, headers=headers) as response:
                     if response.status == 401:
@@ -116,12 +123,36 @@ class EngineClient:
                         raise EngineError("bad_response", f"The engine at {self.url} answered HTTP {response.status} "
                                                           f"on {path}: is this an H3Forge engine?")
                     return await response.json()
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError):
-            raise self._unreachable() from None
 
-    def _unreachable(self) -> EngineError:
-        return EngineError("unreachable", f"No H3Forge engine answers at {self.url}: start one with "
-                                          f"`python -m engine serve` or enable auto-launch.")
+        return await self._with_retries(attempt, f"GET {path}")
+
+    async def _with_retries(self, attempt, what: str):
+        """Runs `attempt` until it gets through, for at most connect_wait seconds. An attempt that finds nothing
+        listening and one that reaches something which does not answer in time are told apart in the error."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_wait
+        while True:
+            try:
+                return await attempt()
+            except (aiohttp.ClientConnectorError, ConnectionRefusedError):
+                silent = False
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError):
+                silent = True  # it connected (or the connect hung) but nothing answered within connect_timeout
+            if loop.time() >= deadline:
+                raise self._unreachable(silent, what)
+            if not silent:
+                await asyncio.sleep(min(CONNECT_RETRY_S, max(0.0, deadline - loop.time())))
+
+    def _unreachable(self, silent: bool, what: str) -> EngineError:
+        waited = f"tried for {self.connect_wait:g} s"
+        if silent:
+            return EngineError("unreachable", (
+                f"Something at {self.url} accepts connections but did not answer {what} within "
+                f"{self.connect_timeout:g} s ({waited}): the engine may be frozen or the port taken by another "
+                f"program. Check the engine's log, or restart it."))
+        return EngineError("unreachable", f"No H3Forge engine answers at {self.url} (nothing accepts connections "
+                                          f"there; {waited}): start one with `python -m engine serve` or enable "
+                                          f"auto-launch.")
 
     def _auth_error(self) -> EngineError:
         return EngineError("auth", f"The engine at {self.url} refused {self.token_source}. Use the token "
@@ -134,8 +165,12 @@ class EngineClient:
                   mp4: bool = False) -> JobResult:
         """Runs one job to its end. `on_progress(ProgressEvent)` may be a function or a coroutine function."""
         tensors = {name: np.asarray(a) for name, a in (tensors or {}).items()}
-        try:
-            protocol.validate_task(task, params, tensors)  # same rules as the engine, without a round trip
+        large = sum(a.nbytes for a in tensors.values()) > OFF_LOOP_BYTES
+        try:  # same rules as the engine, without a round trip
+            if large:
+                await asyncio.to_thread(protocol.validate_task, task, params, tensors)
+            else:
+                protocol.validate_task(task, params, tensors)
         except protocol.ProtocolError as exc:
             raise EngineError(exc.code, exc.message) from None
         watch = self._watch(on_progress, cancel, timeout, mp4)
@@ -147,7 +182,10 @@ class EngineClient:
                     "type": "submit", "id": submit_id, "task": task, "params": params,
                     "tensors": list(tensors), "mp4": mp4}))
                 for name, array in tensors.items():
-                    await watch.ws.send_bytes(protocol.encode_tensor(name, array))
+                    deflate = name in DEFLATED_TENSORS
+                    frame = (await asyncio.to_thread(protocol.encode_tensor, name, array, deflate)
+                             if array.nbytes > OFF_LOOP_BYTES else protocol.encode_tensor(name, array, deflate))
+                    await watch.ws.send_bytes(frame)  # blocks the loop ~5 ms per MB (masking): frames stay small
                 return await self._follow(session, watch)
             finally:
                 await self._stop_watch(watch)
@@ -174,16 +212,17 @@ class EngineClient:
 
     async def _open(self, session: aiohttp.ClientSession) -> aiohttp.ClientWebSocketResponse:
         """Connects and greets; raises EngineError for an absent engine, a refused token or another version."""
-        try:
-            # Bounded as a whole: a frozen engine accepts the TCP connection but never answers the upgrade.
-            ws = await asyncio.wait_for(session.ws_connect(
-                self.url + "/v1/ws", heartbeat=HEARTBEAT_S, max_msg_size=protocol.MAX_RESULT_TENSOR_BYTES,
-                timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0)), self.connect_timeout)
-        except aiohttp.WSServerHandshakeError as exc:
-            raise EngineError("bad_response", f"The server at {self.url} refused the WebSocket (HTTP {exc.status}): "
-                                              f"is this an H3Forge engine?") from None
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError):
-            raise self._unreachable() from None
+        async def attempt():
+            try:
+                # Bounded per attempt: a frozen engine accepts the TCP connection but never answers the upgrade.
+                return await asyncio.wait_for(session.ws_connect(
+                    self.url + "/v1/ws", heartbeat=HEARTBEAT_S, max_msg_size=protocol.MAX_RESULT_TENSOR_BYTES,
+                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0)), self.connect_timeout)
+            except aiohttp.WSServerHandshakeError as exc:
+                raise EngineError("bad_response", f"The server at {self.url} refused the WebSocket (HTTP "
+                                                  f"{exc.status}): is this an H3Forge engine?") from None
+
+        ws = await self._with_retries(attempt, "the WebSocket upgrade")
         await ws.send_str(protocol.encode_control({
             "type": "hello", "id": uuid.uuid4().hex, "version": protocol.PROTOCOL_VERSION, "token": self.token}))
         try:

@@ -37,6 +37,7 @@ if IN_COMFYUI:
     processing_interrupted = _mm.processing_interrupted
     throw_exception_if_processing_interrupted = _mm.throw_exception_if_processing_interrupted
     get_temp_directory = _fp.get_temp_directory
+    get_input_directory = _fp.get_input_directory
     VideoFromComponents = InputImpl.VideoFromComponents
     VideoComponents = Types.VideoComponents
     VideoContainer = Types.VideoContainer

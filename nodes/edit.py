@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from .t2v import (CLIP_OUTPUT_TOOLTIPS, CLIP_RETURN_NAMES, CLIP_RETURN_TYPES, ENGINE_INPUT, LORA_INPUT, SEED_INPUT,
                   STEPS_INPUT, check_settings, lora_problem, parse_lora_list, video_job)
 from .video_io import mask_to_uint8, source_of
@@ -26,8 +28,9 @@ class H3ForgeMaskedEdit:
                            "The video to edit, 5 to 15 s (e.g. from Load Video). It is resampled to 24 fps and "
                            "resized to the model's canvas; its sound is kept unless keep_audio is off."}),
                 "mask": ("MASK", {"tooltip":
-                         "Where to regenerate, at the video's size: 1 (white) regenerate, 0 (black) keep. One "
-                         "mask for all frames, or one per frame (e.g. from H3Forge Mask Track Box)."}),
+                         "Where to regenerate: 1 (white) regenerate, 0 (black) keep; a mask of another size is "
+                         "resized to the video. One mask for all frames, or one per frame (e.g. from H3Forge Mask "
+                         "Track Box)."}),
                 "prompt": ("STRING", {"multiline": True, "default": "", "tooltip":
                            "What the masked area should show (and how the clip sounds). May stay empty for "
                            "remove: the engine then asks for the empty background."}),
@@ -63,8 +66,8 @@ class H3ForgeMaskedEdit:
         problem = check_settings(0, 0, steps)
         if problem:
             raise ValueError(f"H3Forge: {problem}")
-        params, tensors = source_of(source)
-        tensors["mask"] = mask_to_uint8(mask)
+        params, tensors = await asyncio.to_thread(source_of, source)  # decoding and converting: off the loop
+        tensors["mask"] = await asyncio.to_thread(mask_to_uint8, mask)
         params.update(prompt=prompt.strip() or None, preset=preset, strength=strength or None,
                       audio_mask=0.0 if keep_audio else 1.0, steps=steps or None, seed=int(seed),
                       loras=parse_lora_list(lora_list))

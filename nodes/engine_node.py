@@ -16,6 +16,8 @@ SPARSE_ATTENTION = {"engine default": None, "off (dense)": 0.0, "75%": 0.75, "87
 
 # Error codes whose message is about what the artist asked for (fix the inputs), not about the engine.
 _INPUT_ERROR_CODES = {"invalid_request", "too_large"}
+# Error codes of a failure inside the engine, whose log tells more.
+_ENGINE_FAULT_CODES = {"internal", "rank_lost"}
 
 _last_settings: dict | None = None
 
@@ -77,9 +79,12 @@ def last_settings() -> dict:
 
 def readable_error(error: EngineError, url: str) -> Exception:
     """The exception ComfyUI shows for an engine error: the engine's message, written for an artist, and
-    the log tail when the bundled engine died under the job."""
+    the log tail when the bundled engine died under the job (or where its log is, for an engine fault)."""
     kind = ValueError if error.code in _INPUT_ERROR_CODES else RuntimeError
     report = launcher.exit_report(url)
+    if report is None and error.code in _ENGINE_FAULT_CODES:
+        log = launcher.log_file(launcher.host_port(url)[1])
+        report = f"The engine's log ({log}) says more." if log.is_file() else None
     return kind(f"H3Forge: {error.message}" + (f"\n{report}" if report else ""))
 
 

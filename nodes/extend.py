@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from . import comfy_compat as comfy
 from .t2v import (CLIP_OUTPUT_TOOLTIPS, CLIP_RETURN_NAMES, CLIP_RETURN_TYPES, ENGINE_INPUT, LORA_INPUT, SEED_INPUT,
                   STEPS_INPUT, SourceJobGone, check_settings, lora_problem, parse_lora_list, video_job)
@@ -75,5 +77,5 @@ class H3ForgeExtendVideo:
                 return await video_job(engine, "extend", {**params, "source_job": source_job.strip()}, {}, unique_id)
             except SourceJobGone as gone:
                 comfy.send_progress_text(f"{gone} Sending the video instead.", unique_id)
-        source_params, tensors = source_of(source)
+        source_params, tensors = await asyncio.to_thread(source_of, source)
         return await video_job(engine, "extend", {**params, **source_params}, tensors, unique_id)

@@ -2,8 +2,13 @@
 
 `ensure_engine(settings)` returns once an engine answers `/v1/health` at the settings' URL. If none
 answers and auto-launch is on (and the URL points at this machine), it starts the engine as a
-subprocess of the ComfyUI process, logs its output to a file in the temp dir, waits for health and
-keeps it for later prompts. Started engines are stopped when the interpreter exits.
+subprocess of the ComfyUI process, waits for health and keeps it for later prompts. Started engines are
+stopped when the interpreter exits.
+
+The engine logs to `h3forge-engine-<port>.log` (rotated by size) in $H3FORGE_LOG_DIR or ~/.h3forge/logs, not in
+ComfyUI's temp folder, which ComfyUI empties when it starts: an engine that outlives a ComfyUI restart keeps its
+log, and the next ComfyUI finds it by the port. What the process prints outside its log (a crash before logging
+starts) goes to `h3forge-engine-<port>.console.log` beside it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import atexit
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,33 +28,59 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from . import comfy_compat
 from .client import protocol
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+BUSY_WAIT_S = 30.0  # how long to wait for /v1/health from something that listens on the port but is silent
+
+
+def log_dir() -> Path:
+    return Path(os.environ.get("H3FORGE_LOG_DIR") or Path.home() / ".h3forge" / "logs").expanduser()
+
+
+def log_file(port: int) -> Path:
+    """The log of the engine this pack starts on `port` (the same path for every ComfyUI that starts one there)."""
+    return log_dir() / f"h3forge-engine-{port}.log"
+
+
+def console_file(port: int) -> Path:
+    return log_dir() / f"h3forge-engine-{port}.console.log"
+
+
+def log_tail(port: int, lines: int = 30) -> str:
+    """The last lines of the engine's console output (a crash before its log started) and of its log."""
+    parts = []
+    for path in (console_file(port), log_file(port)):
+        try:
+            text = path.read_text(errors="replace").strip()
+        except OSError:
+            continue
+        if text:
+            parts.append("\n".join(text.splitlines()[-lines:]))
+    return "\n".join(parts) or "(no log)"
 
 
 @dataclass
 class LaunchedEngine:
     process: subprocess.Popen
     url: str
+    port: int
     token_file: Path
-    log_file: Path
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
+    @property
+    def log_file(self) -> Path:
+        return log_file(self.port)
+
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_file.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.port, lines)
 
     def stop(self, timeout: float = 10.0) -> None:
         if not self.alive():
@@ -88,7 +120,16 @@ def host_port(url: str) -> tuple[str, int]:
     return parts.hostname, parts.port or protocol.DEFAULT_PORT
 
 
-def probe(url: str, timeout: float = 1.0) -> dict | None:
+def port_open(url: str, timeout: float = 1.0) -> bool:
+    """Something accepts TCP connections at the URL's host and port."""
+    try:
+        with socket.create_connection(host_port(url), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def probe(url: str, timeout: float = 3.0) -> dict | None:
     """The engine's /v1/health answer, or None when nothing (or something else) answers there."""
     try:
         with urllib.request.urlopen(health_url(url), timeout=timeout) as reply:
@@ -119,7 +160,8 @@ def serve_command(settings: dict, port: int, token_file: Path) -> list[str]:
         cmd += ["--models", settings["models_dir"]]
     else:
         cmd += ["--preset", settings.get("preset") or "tiny"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--token-file", str(token_file)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--token-file", str(token_file),
+            "--log-file", str(log_file(port))]
     if settings.get("device", "auto") != "auto":
         cmd += ["--device", settings["device"]]
     if int(settings.get("gpus", 1)) > 1:
@@ -131,14 +173,14 @@ def _start(settings: dict) -> LaunchedEngine:
     url = settings["url"]
     _, port = host_port(url)
     token_file = protocol.default_token_file()  # the engine creates it (0600); clients here read it by default
-    log_file = Path(comfy_compat.get_temp_directory()) / f"h3forge-engine-{port}.log"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACK_ROOT), env.get("PYTHONPATH")) if p)
-    with open(log_file, "wb") as log:
+    log_dir().mkdir(parents=True, exist_ok=True)
+    with open(console_file(port), "wb") as console:
         process = subprocess.Popen(
             serve_command(settings, port, token_file), cwd=PACK_ROOT, env=env, stdin=subprocess.DEVNULL,
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return LaunchedEngine(process, url, token_file, log_file)
+            stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+    return LaunchedEngine(process, url, port, token_file)
 
 
 def _ensure_sync(settings: dict, timeout: float) -> None:
@@ -150,6 +192,11 @@ def _ensure_sync(settings: dict, timeout: float) -> None:
             if engine is not None and not engine.alive():  # ours died; someone else serves here now
                 del _launched[(host, port)]
             return
+        if (engine is None or not engine.alive()) and port_open(url):
+            # Something listens but did not answer /v1/health in time: a busy engine (or another program). Starting
+            # a second engine on a taken port would only fail; wait a while for the one there instead.
+            _wait_for_health(url, min(timeout, BUSY_WAIT_S), None)
+            return
         if not settings.get("auto_launch", True):
             raise RuntimeError(
                 f"H3Forge: no engine answers at {url}. Start one with `python -m engine serve --preset tiny` "
@@ -160,15 +207,27 @@ def _ensure_sync(settings: dict, timeout: float) -> None:
                 f"Start the engine on {host}, or point the URL at ws://127.0.0.1:{port}.")
         if engine is None or not engine.alive():
             engine = _launched[(host, port)] = _start(settings)
-        deadline = time.monotonic() + timeout
-        while probe(url) is None:
-            if not engine.alive():
-                raise RuntimeError(f"H3Forge: the bundled engine did not start. {exit_report(url)}")
-            if time.monotonic() > deadline:
+        _wait_for_health(url, timeout, engine)
+
+
+def _wait_for_health(url: str, timeout: float, engine: LaunchedEngine | None) -> None:
+    """Waits for /v1/health at `url`: the engine this process started (it must stay alive), or whatever listens."""
+    deadline = time.monotonic() + timeout
+    while probe(url) is None:
+        if engine is not None and not engine.alive():
+            raise RuntimeError(f"H3Forge: the bundled engine did not start. {exit_report(url)}")
+        if engine is None and not port_open(url):
+            raise RuntimeError(f"H3Forge: the program at {url} stopped before answering {health_url(url)}.")
+        if time.monotonic() > deadline:
+            port = host_port(url)[1]
+            if engine is None:
                 raise RuntimeError(
-                    f"H3Forge: the bundled engine did not answer {health_url(url)} within {timeout:.0f} s. "
-                    f"Log ({engine.log_file}):\n{engine.log_tail()}")
-            time.sleep(0.2)
+                    f"H3Forge: something at {url} accepts connections but did not answer {health_url(url)} within "
+                    f"{timeout:.0f} s: a frozen engine, or another program on that port. Restart the engine, or "
+                    f"point the URL at another port.")
+            raise RuntimeError(f"H3Forge: the bundled engine did not answer {health_url(url)} within {timeout:.0f} s. "
+                               f"Log ({log_file(port)}):\n{log_tail(port)}")
+        time.sleep(0.2)
 
 
 async def ensure_engine(settings: dict, timeout: float | None = None) -> None:

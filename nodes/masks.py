@@ -3,7 +3,8 @@ across frames, and preview the exact latent-cell mask the engine will use.
 
 The helpers are pure torch (imported when a node runs; the pack itself loads without torch). Mask Preview reduces
 the mask with the engine's own code (engine.models.h3.mask.cell_mask, after engine.models.h3.source.prepare_clip),
-so the red cells it draws are the cells the edit regenerates.
+so the red cells it draws are the cells the edit regenerates. The nodes are coroutines that do their tensor work on
+a worker thread: ComfyUI runs every node on one event loop, whose other nodes' network timers must keep running.
 """
 
 from __future__ import annotations
@@ -199,24 +200,30 @@ class H3ForgeMaskFrameRange:
             return str(error).removeprefix("H3Forge: ")
         return True
 
-    def frame_range(self, start, end, width, height, frames, mask=None, box="", video=None):
-        import torch
+    async def frame_range(self, start, end, width, height, frames, mask=None, box="", video=None):
+        return (await asyncio.to_thread(frame_range_mask, start, end, width, height, frames, mask, box, video),)
 
-        count, height, width = geometry(width, height, frames, video)
-        if mask is not None:
-            shape = mask_batch(mask)
-            if shape.shape[0] not in (1, count):
-                raise ValueError(f"H3Forge: the mask has {shape.shape[0]} frames but the video has {count}")
-        elif box and box.strip():
-            shape = box_masks(torch.tensor([parse_box(box)]), height, width)
-        else:
-            raise ValueError("H3Forge: connect a mask or write a box (x, y, width, height) for the frame range")
-        stop = end or count
-        if not 0 <= start < stop <= count:
-            raise ValueError(f"H3Forge: frames {start} to {stop} do not fit a video of {count} frames")
-        out = torch.zeros(count, *shape.shape[1:])
-        out[start:stop] = shape.expand(count, -1, -1)[start:stop]
-        return (out,)
+
+def frame_range_mask(start: int, end: int, width: int, height: int, frames: int, mask=None, box: str = "",
+                     video=None):
+    """[frames, H, W]: the mask (or the box) on frames start..end (0 = the last), zero elsewhere."""
+    import torch
+
+    count, height, width = geometry(width, height, frames, video)
+    if mask is not None:
+        shape = mask_batch(mask)
+        if shape.shape[0] not in (1, count):
+            raise ValueError(f"H3Forge: the mask has {shape.shape[0]} frames but the video has {count}")
+    elif box and box.strip():
+        shape = box_masks(torch.tensor([parse_box(box)]), height, width)
+    else:
+        raise ValueError("H3Forge: connect a mask or write a box (x, y, width, height) for the frame range")
+    stop = end or count
+    if not 0 <= start < stop <= count:
+        raise ValueError(f"H3Forge: frames {start} to {stop} do not fit a video of {count} frames")
+    out = torch.zeros(count, *shape.shape[1:])
+    out[start:stop] = shape.expand(count, -1, -1)[start:stop]
+    return out
 
 
 class H3ForgeMaskTrackBox:
@@ -250,9 +257,14 @@ class H3ForgeMaskTrackBox:
             return str(error).removeprefix("H3Forge: ")
         return True
 
-    def track(self, keyframes, width, height, frames, video=None):
-        count, height, width = geometry(width, height, frames, video)
-        return (box_masks(interpolate_boxes(parse_keyframes(keyframes), count), height, width),)
+    async def track(self, keyframes, width, height, frames, video=None):
+        keys = parse_keyframes(keyframes)
+
+        def masks():
+            count, h, w = geometry(width, height, frames, video)  # may read the video file's header
+            return box_masks(interpolate_boxes(keys, count), h, w)
+
+        return (await asyncio.to_thread(masks),)
 
 
 class H3ForgeMaskGrow:
@@ -272,8 +284,8 @@ class H3ForgeMaskGrow:
                        "Pixels to add around the mask in every direction; negative values shrink it."}),
         }}
 
-    def grow(self, mask, pixels):
-        return (grow_mask(mask_batch(mask), pixels),)
+    async def grow(self, mask, pixels):
+        return (await asyncio.to_thread(lambda: grow_mask(mask_batch(mask), pixels)),)
 
 
 class H3ForgeMaskFeather:
@@ -294,8 +306,8 @@ class H3ForgeMaskFeather:
                        "itself fully regenerated."}),
         }}
 
-    def feather(self, mask, pixels):
-        return (feather_mask(mask_batch(mask), pixels),)
+    async def feather(self, mask, pixels):
+        return (await asyncio.to_thread(lambda: feather_mask(mask_batch(mask), pixels)),)
 
 
 # ---- preview ------------------------------------------------------------------------------------------------------
@@ -403,11 +415,12 @@ class H3ForgeMaskPreview:
         }
 
     async def preview(self, mask, canvas, strength, grid, video=None, frames=None, engine=None):
-        if video is not None:
-            images, fps = video_frames(video)
-        elif frames is not None:
-            images, fps = frames, 24.0
-        else:
+        if video is None and frames is None:
             raise ValueError("H3Forge: connect the video the mask belongs to (or its frames) to Mask Preview")
         short_edge, max_pixels = await canvas_rules(canvas, engine)
-        return (latent_overlay(images, float(fps), mask, strength, short_edge, max_pixels, grid),)
+
+        def overlay():
+            images, fps = video_frames(video) if video is not None else (frames, 24.0)  # decodes a video file
+            return latent_overlay(images, float(fps), mask, strength, short_edge, max_pixels, grid)
+
+        return (await asyncio.to_thread(overlay),)

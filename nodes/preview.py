@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from fractions import Fraction
@@ -37,6 +38,13 @@ def write_mp4(path: str, components) -> None:
             out.mux(sound.encode(None))
 
 
+def save_mp4(video, path: str) -> None:
+    if hasattr(video, "save_to"):
+        video.save_to(path, format=comfy.VideoContainer.MP4, codec=comfy.VideoCodec.H264)
+    else:
+        write_mp4(path, video.get_components())
+
+
 class H3ForgePreview:
     DESCRIPTION = "Plays a video with its audio in the node. The MP4 goes to ComfyUI's temp folder (not kept)."
     CATEGORY = "H3Forge"
@@ -48,14 +56,11 @@ class H3ForgePreview:
     def INPUT_TYPES(cls):
         return {"required": {"video": ("VIDEO", {"tooltip": "The video to play, e.g. from H3Forge Text to Video."})}}
 
-    def preview(self, video):
+    async def preview(self, video):
         folder = comfy.get_temp_directory()
         os.makedirs(folder, exist_ok=True)
         filename = f"H3Forge_preview_{uuid.uuid4().hex[:12]}.mp4"
         path = os.path.join(folder, filename)
-        if hasattr(video, "save_to"):
-            video.save_to(path, format=comfy.VideoContainer.MP4, codec=comfy.VideoCodec.H264)
-        else:
-            write_mp4(path, video.get_components())
+        await asyncio.to_thread(save_mp4, video, path)  # encoding off ComfyUI's event loop
         result = {"filename": filename, "subfolder": "", "type": "temp", "format": "video/h264-mp4"}
         return {"ui": {"images": [result], "animated": (True,)}}

@@ -165,12 +165,18 @@ class H3ForgeTextToVideo:
             "width": width or None, "height": height or None, "steps": steps or None, "seed": int(seed),
             "loras": parse_lora_list(lora_list),
         }
-        tensors = {}
-        if first_frame is not None:
-            tensors["first_frame"] = image_to_uint8(first_frame, "first_frame")
-        if last_frame is not None:
-            tensors["last_frame"] = image_to_uint8(last_frame, "last_frame")
+        tensors = await asyncio.to_thread(keyframe_tensors, first_frame, last_frame)
         return await video_job(engine, "fl2va" if tensors else "t2va", params, tensors, unique_id)
+
+
+def keyframe_tensors(first_frame, last_frame) -> dict:
+    """The keyframes of an fl2va job as uint8 images (none: t2va)."""
+    tensors = {}
+    if first_frame is not None:
+        tensors["first_frame"] = image_to_uint8(first_frame, "first_frame")
+    if last_frame is not None:
+        tensors["last_frame"] = image_to_uint8(last_frame, "last_frame")
+    return tensors
 
 
 class SourceJobGone(ValueError):
@@ -178,13 +184,15 @@ class SourceJobGone(ValueError):
 
 
 async def video_job(engine, task: str, params: dict, tensors: dict, unique_id) -> tuple:
-    """Runs an engine task that returns a clip: (VIDEO, IMAGE, AUDIO, job id)."""
+    """Runs an engine task that returns a clip: (VIDEO, IMAGE, AUDIO, job id). Everything heavy here (the
+    result's conversion) runs on a worker thread: ComfyUI runs its nodes on one event loop, whose other nodes'
+    network timers must keep running."""
     comfy.send_progress_text("H3Forge: connecting to the engine", unique_id)
     client = await connect(engine)
     if task != "upscale":  # SeedVR2 has its own attention and no VSA
         params = {**params, **speed_params(engine)}
     result = await run_job(client, task, params, tensors, unique_id)
-    return (*result_outputs(result), result.job)
+    return (*await asyncio.to_thread(result_outputs, result), result.job)
 
 
 async def run_job(client, task: str, params: dict, tensors: dict, unique_id):
@@ -230,7 +238,8 @@ async def run_job(client, task: str, params: dict, tensors: dict, unique_id):
         watcher.cancel()
     if cancel.is_set():  # the job finished before the engine saw the cancel: still honour the Stop
         _raise_interrupt(interrupted)
-    comfy.send_progress_text(f"H3Forge: done in {time.monotonic() - started:.1f} s", unique_id)
+    notes = "".join(f"; {note}" for note in result.meta.get("notes", []))
+    comfy.send_progress_text(f"H3Forge: done in {time.monotonic() - started:.1f} s{notes}", unique_id)
     return result
 
 

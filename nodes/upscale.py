@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from fractions import Fraction
 
 from . import comfy_compat as comfy
@@ -141,7 +142,7 @@ class H3ForgeUpscale:
             except SourceJobGone as gone:
                 comfy.send_progress_text(f"{gone} Sending the video instead.", unique_id)
         if outputs is None:
-            source_params, tensors = source_of(source)
+            source_params, tensors = await asyncio.to_thread(source_of, source)
             outputs = await video_job(engine, task, {**params, **source_params}, tensors, unique_id)
         video, frames, audio, job = outputs
         rate = Fraction(source.get_frame_rate())

@@ -15,7 +15,9 @@ from pathlib import Path
 from . import comfy_compat as comfy
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
-RAW_FRAMES_LIMIT = 64 * 2**20  # decoded clips above this travel as an MP4 (the engine takes tensors up to 256 MiB)
+# Decoded clips above this travel as a near-lossless MP4: sending one WebSocket frame holds the event loop for about
+# 5 ms per MB (aiohttp masks and copies it there), and the engine takes tensors up to 256 MiB.
+RAW_FRAMES_LIMIT = 32 * 2**20
 MP4_CRF = 12  # near-lossless H.264 for those
 
 

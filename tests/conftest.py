@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import torch
 
@@ -8,3 +9,6 @@ from engine_fixture import engine  # noqa: F401  (a real engine process per test
 # torch and diffusers may do long before a kernel test, so it is set for the whole session.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Engines the nodes auto-launch log to $H3FORGE_LOG_DIR (else ~/.h3forge/logs): keep the tests' logs out of $HOME.
+os.environ.setdefault("H3FORGE_LOG_DIR", tempfile.mkdtemp(prefix="h3forge-test-logs-"))

@@ -100,7 +100,7 @@ def test_first_frame_runs_fl2va(settings):
 
 def test_preview_writes_playable_mp4_with_audio(t2va):
     (video, frames, audio, _), _, _ = t2va
-    ui = H3ForgePreview().preview(video)["ui"]
+    ui = asyncio.run(H3ForgePreview().preview(video))["ui"]
     assert ui["animated"] == (True,)
     (entry,) = ui["images"]
     assert entry["type"] == "temp" and entry["subfolder"] == "" and entry["format"] == "video/h264-mp4"

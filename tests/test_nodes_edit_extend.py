@@ -89,7 +89,7 @@ def test_masked_edit_sends_a_big_clip_as_mp4_with_a_per_frame_mask(settings, t2v
     monkeypatch.setattr(video_io, "RAW_FRAMES_LIMIT", 0)  # every clip counts as big
     params, tensors = video_io.source_of(video)
     assert params == {} and list(tensors) == ["source_mp4"]
-    track = H3ForgeMaskTrackBox().track("0: 10, 10, 40, 40\n123: 80, 60, 40, 40", 128, 128, FRAMES)[0]
+    track = asyncio.run(H3ForgeMaskTrackBox().track("0: 10, 10, 40, 40\n123: 80, 60, 40, 40", 128, 128, FRAMES))[0]
     _, edited_frames, _, _ = asyncio.run(H3ForgeMaskedEdit().edit(
         video, track, "a small boat", "replace", 0.9, False, STEPS, 1, engine=settings))
     assert edited_frames.shape == frames.shape
@@ -100,9 +100,16 @@ def test_masked_edit_errors_are_readable(settings, t2v):
     with pytest.raises(ValueError, match="H3Forge: .*mask is empty"):
         asyncio.run(H3ForgeMaskedEdit().edit(video, torch.zeros(1, 128, 128), "", "remove", 0.0, True, STEPS, 0,
                                              engine=settings))
-    with pytest.raises(ValueError, match="mask is 64x64 but the video is 128x128"):
-        asyncio.run(H3ForgeMaskedEdit().edit(video, box(64, 64), "", "remove", 0.0, True, STEPS, 0,
-                                             engine=settings))
+
+
+def test_masked_edit_resizes_a_mask_of_another_size_and_says_so(settings, t2v):
+    video, frames, _, _ = t2v
+    comfy.progress_texts.clear()
+    _, edited, _, _ = asyncio.run(H3ForgeMaskedEdit().edit(video, box(64, 64, (20, 45), (15, 50)), "", "remove",
+                                                           0.0, True, STEPS, 0, engine=settings, unique_id="e"))
+    assert edited.shape == frames.shape
+    done = comfy.progress_texts[-1]
+    assert done[0] == "e" and "mask 64x64 resized to the video's 128x128" in done[1], done
 
 
 def test_extend_video_from_the_text_to_video_job(settings, t2v):
@@ -138,8 +145,8 @@ def test_mask_preview_shows_exactly_the_engines_cells(strength):
     # 30 fps, 160x96 (resampled to 24 fps and resized onto the 224x128 canvas), a box moving across it.
     count = 150
     frames = torch.rand(count, 96, 160, 3, generator=torch.Generator().manual_seed(0))
-    mask = H3ForgeMaskTrackBox().track("0: 5, 5, 30, 20\n149: 120, 60, 33, 30", 160, 96, count)[0]
-    mask = H3ForgeMaskFeather().feather(mask, 4)[0]
+    mask = asyncio.run(H3ForgeMaskTrackBox().track("0: 5, 5, 30, 20\n149: 120, 60, 33, 30", 160, 96, count))[0]
+    mask = asyncio.run(H3ForgeMaskFeather().feather(mask, 4))[0]
     (overlay,) = asyncio.run(H3ForgeMaskPreview().preview(mask, "128p (tiny preset)", strength, False,
                                                          video=video_of(frames, 30)))
 
@@ -168,44 +175,48 @@ def test_mask_preview_asks_the_engine_for_its_canvas(settings, t2v):
     assert torch.allclose(overlay[:, ::16, 1:16], frames[:, ::16, 1:16] * 0.6)  # cell borders, off the mask
 
 
-def test_mask_preview_refuses_a_mask_of_another_size():
-    with pytest.raises(ValueError, match="mask is 64x64 but the video is 128x128"):
-        asyncio.run(H3ForgeMaskPreview().preview(box(64, 64), "128p (tiny preset)", 1.0, False,
-                                                 frames=torch.rand(FRAMES, 128, 128, 3)))
+def test_mask_preview_resizes_a_mask_of_another_size():
+    frames = torch.rand(FRAMES, 128, 128, 3, generator=torch.Generator().manual_seed(2))
+    half = box(64, 64, (20, 45), (15, 50))
+    (small,) = asyncio.run(H3ForgeMaskPreview().preview(half, "128p (tiny preset)", 1.0, False, frames=frames))
+    full = half.repeat_interleave(2, 1).repeat_interleave(2, 2)
+    (same,) = asyncio.run(H3ForgeMaskPreview().preview(full, "128p (tiny preset)", 1.0, False, frames=frames))
+    assert torch.equal(small, same) and not torch.equal(small, frames)
     with pytest.raises(ValueError, match="connect the video"):
         asyncio.run(H3ForgeMaskPreview().preview(box(), "128p (tiny preset)", 1.0, False))
 
 
 def test_frame_range():
     node = H3ForgeMaskFrameRange()
-    (out,) = node.frame_range(2, 5, 64, 48, 10, box="10, 20, 30, 40")
+    (out,) = asyncio.run(node.frame_range(2, 5, 64, 48, 10, box="10, 20, 30, 40"))
     expected = torch.zeros(10, 48, 64)
     expected[2:5, 20:48, 10:40] = 1
     assert torch.equal(out, expected)
     shape = torch.rand(48, 64)
-    (out,) = node.frame_range(7, 0, 1, 1, 10, mask=shape)  # the mask sets the size; end 0: to the last frame
+    # The mask sets the size; end 0: to the last frame.
+    (out,) = asyncio.run(node.frame_range(7, 0, 1, 1, 10, mask=shape))
     assert out.shape == (10, 48, 64) and torch.equal(out[7:], shape.expand(3, -1, -1)) and not out[:7].any()
-    (out,) = node.frame_range(1, 3, 64, 48, 10, video=video_of(torch.zeros(4, 20, 30, 3)), box="0, 0, 5, 5")
+    (out,) = asyncio.run(node.frame_range(1, 3, 64, 48, 10, video=video_of(torch.zeros(4, 20, 30, 3)), box="0, 0, 5, 5"))
     assert out.shape == (4, 20, 30) and out[1:3, :5, :5].all() and out.sum() == 50
     with pytest.raises(ValueError, match="do not fit"):
-        node.frame_range(8, 12, 64, 48, 10, box="0, 0, 5, 5")
+        asyncio.run(node.frame_range(8, 12, 64, 48, 10, box="0, 0, 5, 5"))
     with pytest.raises(ValueError, match="connect a mask or write a box"):
-        node.frame_range(0, 0, 64, 48, 10)
+        asyncio.run(node.frame_range(0, 0, 64, 48, 10))
 
 
 def test_grow_and_shrink():
     node = H3ForgeMaskGrow()
     dot = torch.zeros(1, 21, 21)
     dot[0, 10, 10] = 1
-    (grown,) = node.grow(dot, 3)
+    (grown,) = asyncio.run(node.grow(dot, 3))
     assert torch.equal(grown[0], box(21, 21, (7, 14), (7, 14))[0])
-    (shrunk,) = node.grow(box(21, 21, (6, 15), (6, 15)), -2)
+    (shrunk,) = asyncio.run(node.grow(box(21, 21, (6, 15), (6, 15)), -2))
     assert torch.equal(shrunk[0], box(21, 21, (8, 13), (8, 13))[0])
-    (edge,) = node.grow(box(21, 21, (0, 9), (0, 21)), -2)  # the image border does not eat into the mask
+    (edge,) = asyncio.run(node.grow(box(21, 21, (0, 9), (0, 21)), -2))  # the image border does not eat into the mask
     assert torch.equal(edge[0], box(21, 21, (0, 7), (0, 21))[0])
     # Against a direct window maximum, per frame, on random values.
     masks = torch.rand(3, 17, 23, generator=torch.Generator().manual_seed(1))
-    (out,) = node.grow(masks, 4)
+    (out,) = asyncio.run(node.grow(masks, 4))
     padded = torch.nn.functional.pad(masks, (4, 4, 4, 4))
     direct = padded.unfold(1, 9, 1).unfold(2, 9, 1).amax((-1, -2))
     assert torch.equal(out, direct)
@@ -214,23 +225,23 @@ def test_grow_and_shrink():
 def test_feather_is_monotone():
     half = torch.zeros(2, 40, 80)
     half[:, :, :40] = 1
-    (soft,) = H3ForgeMaskFeather().feather(half, 8)
+    (soft,) = asyncio.run(H3ForgeMaskFeather().feather(half, 8))
     row = soft[0, 20]
     assert (row[1:] <= row[:-1] + 1e-6).all()  # fades out moving away from the masked side
     assert (row[:30] == 1).all() and (row[50:] == 0).all()
     assert 0 < row[36] < 1 and 0 < row[43] < 1 and abs(row[39] + row[40] - 1) < 1e-6
     assert torch.equal(soft[0], soft[1])
-    (same,) = H3ForgeMaskFeather().feather(half, 0)
+    (same,) = asyncio.run(H3ForgeMaskFeather().feather(half, 0))
     assert torch.equal(same, half)
 
 
 def test_track_box_interpolates_between_keyframes():
-    (out,) = H3ForgeMaskTrackBox().track("# car\n0: 0, 0, 10, 10\n10: 20, 10, 10, 10", 40, 30, 21)
+    (out,) = asyncio.run(H3ForgeMaskTrackBox().track("# car\n0: 0, 0, 10, 10\n10: 20, 10, 10, 10", 40, 30, 21))
     assert out.shape == (21, 30, 40)
     assert torch.equal(out[5], box(30, 40, (5, 15), (10, 20))[0])  # halfway: x 10, y 5
     assert torch.equal(out[0], box(30, 40, (0, 10), (0, 10))[0])
     assert all(torch.equal(out[k], out[10]) for k in range(10, 21))  # held after the last keyframe
-    (single,) = H3ForgeMaskTrackBox().track("3: 1, 2, 3, 4", 8, 8, 2)
+    (single,) = asyncio.run(H3ForgeMaskTrackBox().track("3: 1, 2, 3, 4", 8, 8, 2))
     assert torch.equal(single[0], single[1]) and single[0].sum() == 12
 
 
@@ -249,3 +260,40 @@ def test_validate_inputs():
     assert "after start" in H3ForgeMaskFrameRange.VALIDATE_INPUTS(start=5, end=5)
     assert "x, y, width, height" in H3ForgeMaskFrameRange.VALIDATE_INPUTS(box="1, 2, 3")
     assert H3ForgeMaskFrameRange.VALIDATE_INPUTS(start=5, end=0, box="") is True
+
+
+def test_a_real_size_source_keeps_comfyuis_event_loop_responsive(settings):
+    """The removal workflow's nodes on the shipped 1344x768 x 124-frame source, run the way ComfyUI runs them (one
+    event loop, Mask Preview and Masked Edit at once): a timer on that loop keeps firing on time throughout, so other
+    nodes' connection timeouts and ComfyUI's own messages are never starved."""
+    read_video = importlib.import_module("engine.io.video").read_video
+    data = (pack_checks.PACK / "workflows" / "example_inputs" / "h3_source.mp4").read_bytes()
+    frames, fps, audio, rate = read_video(data)
+    assert frames.shape == (FRAMES, 768, 1344, 3)
+    video = video_of(torch.from_numpy(frames).float().div_(255), fps,
+                     {"waveform": torch.from_numpy(audio)[None], "sample_rate": rate})
+    tick, lateness = 0.1, []
+
+    async def timer(stop: asyncio.Event):
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            due = loop.time() + tick
+            await asyncio.sleep(tick)
+            lateness.append(loop.time() - due)
+
+    async def workflow():
+        stop = asyncio.Event()
+        ticking = asyncio.create_task(timer(stop))
+        (mask,) = await H3ForgeMaskTrackBox().track("0: 320, 460, 200, 200\n123: 760, 460, 200, 200", 1344, 768,
+                                                    FRAMES, video=video)
+        (mask,) = await H3ForgeMaskGrow().grow(mask, 24)
+        overlay, edited = await asyncio.gather(
+            H3ForgeMaskPreview().preview(mask, "ask the engine", 1.0, True, video=video, engine=settings),
+            H3ForgeMaskedEdit().edit(video, mask, "", "remove", 0.0, True, STEPS, 0, engine=settings))
+        stop.set()
+        await ticking
+        return overlay[0], edited[1]
+
+    overlay, edited = asyncio.run(workflow())
+    assert overlay.shape == edited.shape == (FRAMES, 128, 224, 3)
+    assert len(lateness) > 20 and max(lateness) < 0.5, f"the loop stalled for {max(lateness):.2f} s"

@@ -140,3 +140,18 @@ def test_token_file_location(tmp_path, monkeypatch):
     assert protocol.read_token() is None
     (tmp_path / "t").write_text("secret\n")
     assert protocol.read_token() == "secret"
+
+
+def test_deflated_tensors_round_trip_and_inflate_no_further_than_declared():
+    mask = np.zeros((124, 768, 1344), np.uint8)
+    mask[:, 300:500, 400:600] = 255
+    frame = protocol.encode_tensor("mask", mask, deflate=True)
+    assert len(frame) < mask.nbytes / 100
+    name, back = protocol.decode_tensor(frame, protocol.Limits())
+    assert name == "mask" and np.array_equal(back, mask)
+    bomb = protocol.encode_tensor("mask", np.zeros((4096, 4096), np.uint8), deflate=True)
+    header_len = protocol._PREFIX.unpack_from(bomb)[1]
+    small = json.dumps({"name": "mask", "dtype": "uint8", "shape": [16, 16], "deflate": True}).encode()
+    forged = protocol._PREFIX.pack(protocol.FRAME_MAGIC, len(small)) + small + bomb[protocol._PREFIX.size + header_len:]
+    with pytest.raises(protocol.ProtocolError, match="inflates to more than"):
+        protocol.decode_tensor(forged, protocol.Limits())

@@ -169,7 +169,6 @@ def test_bad_requests_get_readable_errors(engine, task, params, tensors, words):
 
 
 @pytest.mark.parametrize("params, tensors, words", [
-    ({"prompt": "x"}, {"mask": np.ones((64, 64), np.uint8)}, "mask is 64x64 but the video is 128x128"),
     ({"prompt": "x"}, {"mask": np.ones((3, SIDE, SIDE), np.uint8)}, "mask has 3 frames but the video has 124"),
     ({"prompt": "x"}, {"mask": np.full((SIDE, SIDE), np.nan, np.float32)}, "NaN"),
 ])
@@ -177,6 +176,16 @@ def test_masks_that_do_not_fit_the_source(engine, clip, params, tensors, words):
     with pytest.raises(EngineError) as err:
         run(engine.client().run("edit", {"source_job": clip.job, "steps": STEPS, **params}, tensors))
     assert err.value.code == "invalid_request" and words in err.value.message
+
+
+def test_a_mask_of_another_size_is_resized_to_the_source(engine, clip):
+    half = box_mask()[::2, ::2]  # drawn at half size
+    result = run(engine.client().run("edit", {"source_job": clip.job, "prompt": "a kite", "steps": STEPS, "seed": 1},
+                                     {"mask": half}))
+    same = run(engine.client().run("edit", {"source_job": clip.job, "prompt": "a kite", "steps": STEPS, "seed": 1},
+                                   {"mask": half.repeat(2, 0).repeat(2, 1)}))
+    assert "mask 64x64 resized to the video's 128x128" in result.meta["notes"]
+    assert np.array_equal(result.frames, same.frames)
 
 
 def test_a_file_that_is_not_a_video(engine):

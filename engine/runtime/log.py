@@ -1,4 +1,5 @@
-"""Structured engine logs: one `key=value` line per event on stderr, e.g.
+"""Structured engine logs: one `key=value` line per event on stderr, or in a size-rotated file (`serve --log-file`),
+e.g.
 
     ts=2026-11-29T11:30:02 level=info rank=0 event=job.finished job=3f2a.. task=t2va duration_s=4.21
 """
@@ -7,8 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import sys
 import time
+from pathlib import Path
+
+LOG_MAX_BYTES = 10 * 2**20  # a log file rotates at this size, keeping LOG_BACKUPS older files beside it
+LOG_BACKUPS = 3
 
 logger = logging.getLogger("h3forge")
 
@@ -40,8 +46,20 @@ class _KeyValueFormatter(logging.Formatter):
         return line
 
 
-def setup_logging(rank: int = 0, level: str = "info") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+def rank_log_file(path: Path, rank: int) -> Path:
+    """Rank 0 logs to `path`, rank r to `path` with `.rank{r}` before its suffix (each rank rotates its own file)."""
+    return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def setup_logging(rank: int = 0, level: str = "info", log_file: Path | None = None,
+                  max_bytes: int = LOG_MAX_BYTES) -> None:
+    if log_file is None:
+        handler = logging.StreamHandler(sys.stderr)
+    else:
+        path = rank_log_file(Path(log_file), rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=LOG_BACKUPS,
+                                                       encoding="utf-8")
     handler.setFormatter(_KeyValueFormatter(rank))
     logger.handlers[:] = [handler]
     logger.setLevel(level.upper())

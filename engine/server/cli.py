@@ -54,6 +54,8 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--vsa-sparsity", type=float, default=0.0, metavar="S",
                    help="H3 video sparse attention: fraction of video cubes skipped, e.g. 0.875 (0: dense)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.add_argument("--log-file", type=Path, help="write the log to this file, rotated at 10 MB with 3 older files "
+                                                 "kept (other ranks: FILE.rankN); default: stderr")
     p.add_argument(RANK_WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=run_serve)
 
@@ -74,7 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.runtime.ranks import close_ranks, init_ranks
 
     ctx = init_ranks(args.device)
-    setup_logging(ctx.rank, args.log_level)
+    setup_logging(ctx.rank, args.log_level, args.log_file)
     if not 0 <= args.vsa_sparsity < 1:
         raise SystemExit("--vsa-sparsity must be at least 0 and below 1 (e.g. 0.875).")
     options = dict(attention=None if args.attention == "auto" else args.attention, vsa_sparsity=args.vsa_sparsity)

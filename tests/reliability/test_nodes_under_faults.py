@@ -85,20 +85,26 @@ def readable(error: BaseException) -> str:
     return message
 
 
-def test_unreachable_engine_is_a_readable_error(recorder):
+def test_unreachable_engine_is_a_readable_error(recorder, monkeypatch):
+    monkeypatch.setenv("H3FORGE_LAUNCH_TIMEOUT", "2")  # how long the node waits for a silent listener's health
     with recorder.case("nodes"), socket.socket() as black_hole:
         black_hole.bind(("127.0.0.1", 0))
         black_hole.listen()  # accepts TCP connections (the kernel does) and never answers
-        for port in (free_port(), black_hole.getsockname()[1]):
+        # Nothing listening, and something that accepts and stays silent, are told apart.
+        for port, node_words, client_words in (
+                (free_port(), "no engine answers", "nothing accepts connections"),
+                (black_hole.getsockname()[1], "did not answer", "accepts connections but did not answer")):
             url = f"ws://127.0.0.1:{port}"
             with pytest.raises(RuntimeError) as caught:
                 asyncio.run(bounded(node_call(engine_settings(url))))
-            assert url in readable(caught.value) and "no engine answers" in str(caught.value)
+            assert url in readable(caught.value) and node_words in str(caught.value)
             started = time.monotonic()
             with pytest.raises(node_client.EngineError) as caught:
-                asyncio.run(bounded(node_client.EngineClient(url, token="t", connect_timeout=1).run(
+                asyncio.run(bounded(node_client.EngineClient(url, token="t", connect_timeout=1, connect_wait=2).run(
                     "t2va", {"prompt": "x"})))
-            assert caught.value.code == "unreachable" and time.monotonic() - started < 5
+            elapsed = time.monotonic() - started
+            assert caught.value.code == "unreachable" and client_words in caught.value.message
+            assert 2 <= elapsed < 5  # it kept trying for connect_wait, and no longer
 
 
 def test_engine_restarted_between_prompts_is_transparent(on_port, recorder):

@@ -40,6 +40,9 @@ def run_edit(pipe, req: EditRequest, on_step=None) -> GenerateResult:
                            f"back to {source_frames}"] if frames != source_frames else [])
     height, width = clip.height, clip.width
     mask = torch.as_tensor(req.mask).float()
+    (mask_h, mask_w), (source_h, source_w) = mask.shape[-2:], req.source.frames.shape[1:3]
+    if (mask_h, mask_w) != (source_h, source_w):
+        notes.append(f"mask {mask_w}x{mask_h} resized to the video's {source_w}x{source_h}")
     if mask.ndim == 3 and len(clip.frame_index) != mask.shape[0] and mask.shape[0] == len(req.source.frames):
         mask = mask[clip.frame_index]  # a per-frame mask follows the source's fps resampling
     cells = M.cell_mask(mask * strength, frames, height, width)
