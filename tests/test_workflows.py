@@ -1,6 +1,8 @@
 """Every shipped workflow matches the pack's node definitions (types, widgets, links)."""
 
 import copy
+import importlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -89,3 +91,50 @@ def test_checker_catches_mistakes(defs):
     for expected, edit in mistakes.items():
         problems = check_workflow(_broken(good, edit), defs)
         assert any(expected in p for p in problems), f"{expected!r} not reported: {problems}"
+
+
+LOADERS = {"LoadImage": 0, "LoadImageMask": 0, "LoadVideo": 0}  # node type -> index of its file widget
+EXAMPLES = WORKFLOWS[0].parent / "example_inputs"
+
+
+def named_inputs(workflow: dict) -> set[str]:
+    return {n["widgets_values"][LOADERS[n["type"]]] for n in workflow["nodes"] if n["type"] in LOADERS}
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_every_file_a_workflow_loads_ships_with_the_pack(path):
+    for name in named_inputs(json.loads(path.read_text())):
+        assert (EXAMPLES / name).is_file(), f"{path.name} loads {name}, which the pack does not ship"
+
+
+def test_example_inputs_go_into_comfyuis_input_folder_when_missing(tmp_path):
+    load_pack()
+    example_inputs = importlib.import_module("h3forge_pack.nodes.example_inputs")
+    (tmp_path / "first_frame.png").write_bytes(b"the user's own file")
+    copied = example_inputs.install(tmp_path)
+    wanted = set().union(*(named_inputs(json.loads(p.read_text())) for p in WORKFLOWS))
+    assert wanted <= {p.name for p in tmp_path.iterdir()} and "first_frame.png" not in copied
+    assert (tmp_path / "first_frame.png").read_bytes() == b"the user's own file"
+    assert example_inputs.install(tmp_path) == []
+
+
+def test_example_inputs_are_what_their_script_draws(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from engine.io.video import read_video
+
+    spec = importlib.util.spec_from_file_location("make_example_inputs", EXAMPLES / "make_example_inputs.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    make.main(tmp_path)
+    for name in ("first_frame.png", "last_frame.png", "object_mask.png", "sky_mask.png"):
+        assert np.array_equal(np.asarray(Image.open(tmp_path / name)), np.asarray(Image.open(EXAMPLES / name))), name
+    frames, fps, audio, rate = read_video((EXAMPLES / "h3_source.mp4").read_bytes())
+    assert frames.shape == (make.FRAMES, make.HEIGHT, make.WIDTH, 3) and fps == 24 and audio.shape[0] == 2
+    # The removal workflow's track box follows the drawn ball.
+    track = next(n for n in json.loads((WORKFLOWS[0].parent / "h3_object_removal.json").read_text())["nodes"]
+                 if n["type"] == "H3ForgeMaskTrackBox")["widgets_values"][0]
+    keys = {int(f): tuple(int(v) for v in box.split(",")) for f, box in
+            (line.split(":") for line in track.splitlines() if line and not line.startswith("#"))}
+    assert keys == make.BALL_TRACK
