@@ -22,7 +22,6 @@ MAX_STEPS = 1000
 MAX_SEED = 2**63 - 1
 PREVIEW_MAX_SIZE = 512
 INTERRUPT_POLL_S = 0.1
-STEP_STAGES = ("denoising", "upscaling")  # progress events that move the bar
 
 # Inputs shared by the engine-job nodes.
 STEPS_INPUT = ("INT", {"default": 0, "min": 0, "max": MAX_STEPS, "tooltip":
@@ -96,12 +95,13 @@ def image_to_uint8(image, name: str):
 
 
 def describe(event) -> str:
-    """Status text for a progress event, e.g. "H3Forge: denoising 3/49 (window 2/4), about 40 s left"."""
+    """Status text for a progress event, e.g. "H3Forge: denoising 3/49 (window 2/4), about 40 s left"; every phase
+    of a job (loading, reading source, encoding, denoising, decoding, upscaling, muxing) counts its chunks."""
     text = event.stage
     if event.stage == "queued" and event.position is not None:
         text += f", {event.position} job{'s' if event.position != 1 else ''} ahead"
-    elif event.stage in STEP_STAGES:
-        text += f" batch {event.step}/{event.total}" if event.stage == "upscaling" else f" {event.step}/{event.total}"
+    elif event.total:
+        text += f" {event.step}/{event.total}"
         if event.detail:
             text += f" ({event.detail})"
         if event.eta_s is not None:
@@ -207,7 +207,7 @@ async def run_job(client, task: str, params: dict, tensors: dict, unique_id):
 
     def on_progress(event):
         comfy.send_progress_text(describe(event), unique_id)
-        if event.stage not in STEP_STAGES or cancel.is_set():
+        if not event.total or cancel.is_set():  # queued / starting: nothing to count yet
             return
         preview = None
         if event.preview_jpeg:

@@ -31,7 +31,7 @@ function engineLine() {
   const parts = [s.engine?.state === "loading" ? "engine: loading models" : "engine: connected"];
   const queued = (s.queue ?? []).length;
   const job = s.running;
-  if (job) parts.push(job.total ? `running ${job.step}/${job.total}` : "running");
+  if (job) parts.push(job.total ? `${job.stage ?? "running"} ${job.step}/${job.total}` : "running");
   parts.push(`queue ${queued}`);
   if (s.gpu) parts.push(`GPU ${gib(s.gpu.used_bytes)}/${gib(s.gpu.total_bytes)} GiB`);
   else if (s.engine?.device) parts.push(s.engine.device);
