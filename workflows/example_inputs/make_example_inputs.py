@@ -8,7 +8,8 @@ right across the grass (humming, panned with it) and a yellow box standing still
   Box follows the ball (BALL_TRACK), the replacement workflow's object_mask.png covers the box, the repaint
   workflow's sky_mask.png (drawn at half size) covers the sky.
 - first_frame.png / last_frame.png: the scene with the ball at the left / at the right (first/last-frame workflow).
-- clip.mp4: the same scene, 2 s at 320x180 (the SeedVR2 upscale workflow's input).
+- clip.mp4: the same scene, 2 s at 128x72 (the SeedVR2 upscale workflow's input: on the embedded default, 1080p
+  means a 144-px short edge, twice this).
 Everything is drawn from numbers here, so the files are the same on every run.
 """
 
@@ -81,7 +82,7 @@ def main(out: Path = HERE) -> None:
     # Drawn at half size, as masks painted on a preview often are: the engine resizes a mask to its video.
     mask_png((0, 0, WIDTH, HORIZON), scale=0.5).save(out / "sky_mask.png", optimize=True)
     clip_frames = 2 * FPS
-    clip = np.stack([scene(ball_x(i, clip_frames), 320, 180) for i in range(clip_frames)])
+    clip = np.stack([scene(ball_x(i, clip_frames), 128, 72) for i in range(clip_frames)])
     (out / "clip.mp4").write_bytes(encode_mp4_bytes(clip, FPS, soundtrack(clip_frames), SAMPLE_RATE, crf=18))
 
 
