@@ -219,19 +219,8 @@ class SeedVR2Pipeline:
         if resize not in RESIZE_MODES:
             raise UpscaleError(f"Resize must be one of {', '.join(RESIZE_MODES)}, got {resize!r}.")
         num, height, width = frames.shape[:3]
-        out_h, out_w = output_size(height, width, target_height, target_width, scale, resolution, self.resolutions)
-        notes = notes if notes is not None else []
-        named = str(resolution).lower() in self.resolutions
-        if named and self.resolutions is not RESOLUTIONS:
-            notes.append(f"{self.name} preset: {resolution} means a {self.resolutions[str(resolution).lower()]}-px "
-                         f"short edge ({out_w}x{out_h}) so it runs quickly on a CPU; real SeedVR2 weights upscale to "
-                         f"{RESOLUTIONS[str(resolution).lower()]} px")
-        if self.max_pixels is not None and out_h * out_w > self.max_pixels:
-            fit_h, fit_w = fit_area(out_h, out_w, self.max_pixels)
-            notes.append(f"{self.name} preset: {out_w}x{out_h} is over its {self.max_pixels}-pixel bound (the "
-                         f"embedded weights are for CPU demos), so the output is {fit_w}x{fit_h}; real SeedVR2 "
-                         f"weights keep the asked size")
-            out_h, out_w = fit_h, fit_w
+        out_h, out_w = self.output_size(height, width, target_height, target_width, scale, resolution,
+                                        notes if notes is not None else [])
         if resize == "area":
             factor = math.sqrt(out_h * out_w / (height * width))
             size = (round(height * factor), round(width * factor))
@@ -260,6 +249,23 @@ class SeedVR2Pipeline:
             progress.detail = label + "done"
             progress(out[start + (final - 1) // 2])
         return out
+
+    def output_size(self, height: int, width: int, target_height: int | None, target_width: int | None,
+                    scale: float | None, resolution: str | int | None, notes: list[str]) -> tuple[int, int]:
+        """`output_size` with this preset's resolutions and area bound; `notes` gains what the preset changed."""
+        out_h, out_w = output_size(height, width, target_height, target_width, scale, resolution, self.resolutions)
+        key = str(resolution).lower()
+        if key in self.resolutions and self.resolutions is not RESOLUTIONS:
+            notes.append(f"{self.name} preset: {resolution} means a {self.resolutions[key]}-px short edge "
+                         f"({out_w}x{out_h}) so it runs quickly on a CPU; real SeedVR2 weights upscale to "
+                         f"{RESOLUTIONS[key]} px")
+        if self.max_pixels is not None and out_h * out_w > self.max_pixels:
+            fit_h, fit_w = fit_area(out_h, out_w, self.max_pixels)
+            notes.append(f"{self.name} preset: {out_w}x{out_h} is over its {self.max_pixels}-pixel bound (the "
+                         f"embedded weights are for CPU demos), so the output is {fit_w}x{fit_h}; real SeedVR2 "
+                         f"weights keep the asked size")
+            out_h, out_w = fit_h, fit_w
+        return out_h, out_w
 
     def _check_frames(self, frames) -> torch.Tensor:
         if isinstance(frames, np.ndarray):
