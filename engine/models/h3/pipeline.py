@@ -225,7 +225,7 @@ class H3Pipeline:
         if on_step is not None:
             def report(step, total, x0_rows):
                 on_step(StepEvent(step, total, L.unpatchify(x0_rows, T, h, w, patch), stage))
-        if on_step is not None:
+
             on_step(PhaseEvent("denoising", 0, steps - 1 - start, None if stage == "denoising" else stage))
         schedule = self.adaln_cache.schedule(self.dit) if self.adaln_cache else None
         layout = layout.to(self.device)
