@@ -41,7 +41,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from engine.models.h3.layout import LayoutError
     from engine.models.h3.lora import parse_lora_spec
-    from engine.models.h3.pipeline import GenerateRequest, H3Pipeline
+    from engine.models.h3.pipeline import GenerateRequest, H3Pipeline, StepEvent
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
@@ -63,6 +63,8 @@ def run_generate(args: argparse.Namespace) -> int:
         bar = tqdm(total=None, desc="denoising", unit="step", file=sys.stderr)
 
         def on_step(event):
+            if not isinstance(event, StepEvent):  # the other phases' chunk boundaries
+                return
             bar.total = event.total
             bar.update(1)
 

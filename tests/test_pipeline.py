@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from engine.io.video import read_video
 from engine.models.h3.layout import LayoutError
-from engine.models.h3.pipeline import GenerateRequest, H3Pipeline
+from engine.models.h3.pipeline import GenerateRequest, H3Pipeline, StepEvent
 
 STEPS = 4  # grid points: 3 DiT evaluations
 
@@ -25,7 +25,8 @@ def test_t2va_shapes_progress_and_determinism(pipe):
     events = []
     req = GenerateRequest(prompt="a cat playing piano in the rain", seconds=5, steps=STEPS, seed=3)
     result = pipe.generate(req, on_step=events.append)
-    assert [e.step for e in events] == [1, 2, 3] and all(e.total == 3 for e in events)
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert [e.step for e in steps] == [1, 2, 3] and all(e.total == 3 for e in steps)
     assert result.frames.shape == (124, 128, 224, 3) and result.frames.dtype == torch.uint8
     assert result.audio.shape == (2, round(124 / 24 * 32000)) and result.audio.dtype == torch.float32
     assert result.video_latents.shape == (1, 24, 37, 8, 14)

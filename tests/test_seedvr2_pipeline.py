@@ -46,7 +46,9 @@ def test_upscale_tiny_clip_keeps_frames(pipe):
     steps = []
     out = pipe.upscale(frames, target_height=72, target_width=104, seed=3, on_step=steps.append)
     assert out.shape == (9, 72, 104, 3) and out.dtype == torch.uint8 and out.device.type == "cpu"
-    assert [(s.step, s.total) for s in steps] == [(1, 1)] and steps[0].preview.shape == (72, 104, 3)
+    ends = [e for e in steps if e.preview is not None]
+    assert [e.detail for e in ends] == ["batch 1/1: done"] and ends[0].preview.shape == (72, 104, 3)
+    assert [e.done for e in steps] == list(range(steps[-1].total + 1))
 
 
 def test_upscale_in_overlapping_batches(pipe):
@@ -54,7 +56,7 @@ def test_upscale_in_overlapping_batches(pipe):
     steps = []
     out = pipe.upscale(frames, scale=1.5, batch_frames=6, overlap_frames=3, color_fix="lab", on_step=steps.append)
     assert out.shape == (7, 48, 72, 3)
-    assert [(s.step, s.total) for s in steps] == [(1, 2), (2, 2)]
+    assert [e.detail for e in steps if e.preview is not None] == ["batch 1/2: done", "batch 2/2: done"]
 
 
 def test_area_resize_is_the_official_crop(pipe):

@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 from fractions import Fraction
+from typing import Callable
 
 import av
 import numpy as np
@@ -217,10 +218,13 @@ def encode_mp4_bytes(frames, fps=FPS, audio=None, sample_rate: int = SAMPLE_RATE
     return buffer.getvalue()
 
 
-def read_video(source) -> tuple[np.ndarray, Fraction, np.ndarray | None, int | None]:
+def read_video(source, on_frames: Callable[[int, int], None] | None = None, every: int = 16
+               ) -> tuple[np.ndarray, Fraction, np.ndarray | None, int | None]:
     """Decode a video file (path, bytes or binary file object) in one demux pass.
 
     Returns (uint8 frames [F, H, W, 3], fps, float32 audio [C, S] or None, audio sample rate or None).
+    `on_frames(decoded, expected)` is called after every `every` video frames (`expected` from the stream's
+    header, at least `decoded`); raise from it to stop.
     """
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
@@ -237,6 +241,8 @@ def read_video(source) -> tuple[np.ndarray, Fraction, np.ndarray | None, int | N
             for frame in packet.decode():
                 if packet.stream.type == "video":
                     frames.append(frame.to_ndarray(format="rgb24"))
+                    if on_frames is not None and len(frames) % every == 0:
+                        on_frames(len(frames), max(video.frames, len(frames)))
                 else:
                     for planar in resampler.resample(frame):
                         sample_rate = planar.sample_rate

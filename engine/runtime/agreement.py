@@ -1,7 +1,8 @@
-"""All ranks agree, at every step boundary, whether a job goes on, is cancelled, or has failed on some rank.
+"""All ranks agree, at every step or chunk boundary, whether a job goes on, is cancelled, or has failed on some rank.
 
 Only rank 0 hears a client's cancel, and any rank may fail; stopping on one rank alone would strand the others
-in their next collective. So each rank calls `at_step` after every step and `at_end` once when its job ends
+in their next collective. So each rank calls `at_step` after every step (`at_boundary` after every chunk of
+another long phase: a VAE chunk, a SeedVR2 batch part, ...) and `at_end` once when its job ends
 (normally or by an exception), and each call is one MAX all-reduce of its verdict over the control group, until
 a call returns a verdict other than GO. A rank that fails mid-step makes its `at_end` call, which meets the
 others' next `at_step`: they all see FAILED and stop. After a non-GO verdict no rank calls again.
@@ -38,9 +39,13 @@ class StepAgreement:
         return verdict
 
     def at_step(self, step: int, total: int) -> None:
+        self.at_boundary(f"after step {step} of {total}")
+
+    def at_boundary(self, where: str) -> None:
+        """Raises Cancelled ("Cancelled {where}.") or PeerFailed unless every rank goes on."""
         verdict = self._agree(CANCEL if self.cancel is not None and self.cancel.is_set() else GO)
         if verdict == CANCEL:
-            raise Cancelled(f"Cancelled after step {step} of {total}.")
+            raise Cancelled(f"Cancelled {where}.")
         if verdict == FAILED:
             raise PeerFailed("another rank failed this job (see the engine log)")
 

@@ -1,5 +1,7 @@
 """Running one job on every rank: rank 0 broadcasts it, all ranks run the same pipeline call, and all agree
-at each step boundary (engine.runtime.agreement). Ranks other than 0 sit in `follower_loop`.
+at each boundary (engine.runtime.agreement): every denoise step (StepEvent) and every chunk of the other long
+phases (PhaseEvent: loading SeedVR2, reading a source video, VAE encode and decode, SeedVR2 batches). Ranks other
+than 0 sit in `follower_loop`.
 
 Tasks: t2va / fl2va / edit / extend / refine on the H3 pipeline; upscale on SeedVR2, loaded on first use (one
 model size at a time). Edit, extend, refine and upscale start from a source clip: a stored job's result (resolved
@@ -24,6 +26,7 @@ from engine.models.h3.layout import LayoutError
 from engine.models.h3.mask import MaskError
 from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, GenerateRequest, GenerateResult,
                                       RefineRequest, Source, StepEvent)
+from engine.models.phases import Phase, PhaseEvent
 from engine.kernels import attention
 from engine.parallel import ulysses
 from engine.protocol import ProtocolError, mask_mismatch
@@ -99,16 +102,18 @@ def sequence_parallel(pipeline, ctx: RankContext):
     return contextlib.nullcontext()
 
 
-def load_upscaler(source: ModelSource, ctx: RankContext, model: str):
+def load_upscaler(source: ModelSource, ctx: RankContext, model: str, on_loaded=None):
     """SeedVR2 `model` ("3b" / "7b"): the tiny architectures for a preset engine, else the official files. With
-    several ranks every batch is shared over them (window-aligned sequence parallelism)."""
+    several ranks every batch is shared over them (window-aligned sequence parallelism). `on_loaded()` after
+    each component."""
     from engine.models.seedvr2.pipeline import SeedVR2Pipeline
 
     if source.preset:
-        pipe = SeedVR2Pipeline.from_preset("tiny" if model == "3b" else f"tiny-{model}", device=ctx.device)
+        pipe = SeedVR2Pipeline.from_preset("tiny" if model == "3b" else f"tiny-{model}", device=ctx.device,
+                                           on_loaded=on_loaded)
     else:
         try:
-            pipe = SeedVR2Pipeline.from_models(source.models_dir, size=model, device=ctx.device)
+            pipe = SeedVR2Pipeline.from_models(source.models_dir, size=model, device=ctx.device, on_loaded=on_loaded)
         except (OSError, ValueError) as exc:
             raise ProtocolError("unavailable", f"SeedVR2 {model.upper()} could not be loaded from "
                                                f"{source.models_dir}: {exc}") from None
@@ -133,26 +138,32 @@ def generate_request(spec: JobSpec) -> GenerateRequest:
         first_frame=images.get("first_frame"), last_frame=images.get("last_frame"), loras=_loras(p))
 
 
-def job_source(spec: JobSpec) -> Source:
+def job_source(spec: JobSpec, on_step=None) -> Source:
     """The clip an edit / extend / refine / upscale starts from."""
     if spec.source is not None:
         return spec.source
     p, t = spec.params, spec.tensors
     if "source_mp4" in t:
-        return decode_source(t["source_mp4"])
+        return decode_source(t["source_mp4"], on_step)
     audio = t.get("source_audio")
     return Source(np.array(t["source_frames"]), float(p.get("source_fps", 24.0)),
                   None if audio is None else np.array(audio), int(p.get("source_sample_rate", DEFAULT_SAMPLE_RATE)))
 
 
-def decode_source(data: np.ndarray) -> Source:
-    """A video file's bytes -> frames, frame rate and sound, in one demux pass."""
+def decode_source(data: np.ndarray, on_step=None) -> Source:
+    """A video file's bytes -> frames, frame rate and sound, in one demux pass; a boundary ("reading source")
+    every 16 frames."""
     import av
 
     from engine.io.video import read_video
 
+    def on_frames(decoded: int, expected: int) -> None:
+        on_step(PhaseEvent("reading source", decoded, expected, "decoding the video file"))
+
+    if on_step is not None:
+        on_step(PhaseEvent("reading source", 0, 0, "decoding the video file"))
     try:
-        frames, fps, audio, rate = read_video(data.tobytes())
+        frames, fps, audio, rate = read_video(data.tobytes(), on_frames if on_step is not None else None)
     except (ValueError, OSError, av.FFmpegError) as exc:
         raise LayoutError(f"The source video could not be decoded ({exc}). Send a video file (MP4, MOV, WebM) "
                           f"with a video stream.") from None
@@ -192,15 +203,19 @@ class JobRunner:
         self._upscaler: tuple[str, object] | None = None  # (model, SeedVR2Pipeline), loaded on first upscale
 
     def run(self, spec: JobSpec, cancel: threading.Event | None = None,
-            on_step: Callable[[StepEvent], None] | None = None) -> GenerateResult:
+            on_step: Callable[[StepEvent | PhaseEvent], None] | None = None) -> GenerateResult:
         """Runs `spec` on this rank (rank 0 first sends it to the others). Raises Cancelled, PeerFailed, or the
         pipeline's own exception."""
         if self.ctx.rank == 0 and self.ctx.world_size > 1:
             dist.broadcast_object_list([spec], src=0, group=self.ctx.control)
         agreement = StepAgreement(self.ctx, cancel)
 
-        def step_boundary(event: StepEvent) -> None:
-            agreement.at_step(event.step, event.total)
+        def step_boundary(event: StepEvent | PhaseEvent) -> None:
+            if isinstance(event, StepEvent):
+                agreement.at_step(event.step, event.total)
+            elif event.collective:
+                agreement.at_boundary(f"while {event.stage}" + (f" ({event.detail})" if event.detail else "")
+                                      + (f", at {event.done} of {event.total}" if event.total else ""))
             if on_step is not None:
                 on_step(event)
 
@@ -214,16 +229,17 @@ class JobRunner:
 
     def execute(self, spec: JobSpec, on_step) -> GenerateResult:
         if spec.task == "upscale":
-            return self.upscale(spec.params, job_source(spec), on_step)
+            return self.upscale(spec.params, job_source(spec, on_step), on_step)
         self.pipeline.encode_mp4 = spec.mp4 and self.ctx.rank == 0
         with speed_options(self.pipeline, spec.params, self.ctx.device), sequence_parallel(self.pipeline, self.ctx):
             if spec.task in ("t2va", "fl2va"):
                 return self.pipeline.generate(generate_request(spec), on_step=on_step)
-            source = job_source(spec)
+            source = job_source(spec, on_step)
             return getattr(self.pipeline, spec.task)(SOURCE_REQUESTS[spec.task](spec, source), on_step=on_step)
 
-    def upscaler(self, model: str):
-        """The SeedVR2 pipeline for `model`, loaded on first use; loading another size frees the first."""
+    def upscaler(self, model: str, on_step=None):
+        """The SeedVR2 pipeline for `model`, loaded on first use (a boundary, "loading", after each component);
+        loading another size frees the first."""
         if self._upscaler is None or self._upscaler[0] != model:
             if self.models is None:
                 raise ProtocolError("unavailable", "This engine has no SeedVR2 models configured.")
@@ -232,7 +248,8 @@ class JobRunner:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             t0 = time.perf_counter()
-            self._upscaler = (model, load_upscaler(self.models, self.ctx, model))
+            loaded = Phase(on_step, "loading", 3, f"SeedVR2 {model.upper()}")
+            self._upscaler = (model, load_upscaler(self.models, self.ctx, model, loaded))
             log_event("upscaler.loaded", model=model, load_s=time.perf_counter() - t0)
         return self._upscaler[1]
 
@@ -240,14 +257,16 @@ class JobRunner:
         """SeedVR2 on the source's frames; the sound and the exact frame rate are kept."""
         t0 = time.perf_counter()
         model = p.get("model", "3b")
-        pipe = self.upscaler(model)
+        pipe = self.upscaler(model, on_step)
         frames = torch.as_tensor(np.asarray(source.frames))
+        notes = []
         out = pipe.upscale(frames, target_height=p.get("height"), target_width=p.get("width"), scale=p.get("scale"),
                            resolution=p.get("resolution"), color_fix=p.get("color_fix", "wavelet"),
                            seed=p.get("seed", 0), batch_frames=p.get("batch_frames"),
-                           overlap_frames=p.get("overlap_frames", 4), tiling=p.get("tiling", True), on_step=on_step)
+                           overlap_frames=p.get("overlap_frames", 4), tiling=p.get("tiling", True), on_step=on_step,
+                           notes=notes)
         audio = None if source.audio is None else torch.as_tensor(np.asarray(source.audio, dtype=np.float32))
-        notes = [f"SeedVR2 {model.upper()}: {frames.shape[2]}x{frames.shape[1]} upscaled to {out.shape[2]}x"
+        notes = notes + [f"SeedVR2 {model.upper()}: {frames.shape[2]}x{frames.shape[1]} upscaled to {out.shape[2]}x"
                  f"{out.shape[1]}, {out.shape[0]} frames at {source.fps:g} fps"]
         return GenerateResult(out, audio, int(source.sample_rate), source.fps, None, None, notes,
                               {"total_s": time.perf_counter() - t0})

@@ -1,6 +1,7 @@
 """The job queue on rank 0: FIFO with queue positions, one job at a time on a dedicated pipeline thread (so the
-event loop keeps serving), per-step progress with throttled previews fanned out to every subscriber, and the
-mapping of whatever a job raises to an error an artist can read. No request can take the engine down."""
+event loop keeps serving), progress at every step and chunk boundary with throttled previews fanned out to every
+subscriber, and the mapping of whatever a job raises to an error an artist can read. No request can take the
+engine down."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 
 from engine.models.h3 import layout as L
-from engine.models.h3.request import Cancelled, GenerateResult
+from engine.models.h3.request import Cancelled, GenerateResult, StepEvent
+from engine.models.phases import PhaseEvent
 from engine.protocol import ProtocolError
 from engine.runtime.agreement import PeerFailed
 from engine.runtime.jobs import JobRunner, JobSpec
@@ -84,48 +86,73 @@ def progress_message(job: str, stage: str, step: int = 0, total: int = 0, eta_s:
 
 
 class ProgressReporter:
-    """The pipeline's step callback on rank 0 (runs on the pipeline thread): ETA from step times (plus the decode,
-    estimated from the last job's decode time per latent voxel), a preview at most every PREVIEW_INTERVAL_S, and
-    the events handed to the event loop.
+    """The pipeline's boundary callback on rank 0 (runs on the pipeline thread): every event becomes a progress
+    message (stage, done/total, ETA, detail), with a preview at most every PREVIEW_INTERVAL_S where one exists.
 
-    H3 steps (StepEvent) report stage "denoising", with the window ("window 2/4") of an extension as `detail`;
-    SeedVR2 batches (UpscaleStep, a finished batch's middle frame as preview) report stage "upscaling"."""
+    Denoise steps (StepEvent) report "denoising", an extension's window ("window 2/4") as `detail`, a preview of
+    the clean estimate; their ETA is the steps left (all windows) at the rate so far plus the decode, estimated
+    from the last job's decode time per latent voxel. Every other boundary (PhaseEvent: loading, reading source,
+    encoding, decoding, upscaling, muxing) reports its own stage and detail; its ETA comes from that phase's rate
+    so far or, before its first chunk, from the seconds per chunk the last job measured for the stage (`rates`,
+    kept by the scheduler). SeedVR2 batches preview a finished batch's middle frame."""
 
-    def __init__(self, job: Job, loop: asyncio.AbstractEventLoop, decode_s_per_voxel: float):
+    def __init__(self, job: Job, loop: asyncio.AbstractEventLoop, decode_s_per_voxel: float,
+                 rates: dict[str, float] | None = None):
         self.job, self.loop, self.decode_s_per_voxel = job, loop, decode_s_per_voxel
-        self.started = time.perf_counter()
+        self.rates = rates if rates is not None else {}  # stage -> seconds per chunk, carried to the next job
+        self.started = time.perf_counter()  # of the job, then of its denoise loop
         self.first_step_at: float | None = None
         self.last_step_at = self.started
         self.last_preview_at = -float("inf")
         self.steps_done = 0  # over all windows of an extension
+        self.phases: dict[str, tuple[float, int]] = {}  # stage -> (when, done) at the start of its latest phase
 
     def __call__(self, event) -> None:
         now = time.perf_counter()
+        msg = self._step(event, now) if isinstance(event, StepEvent) else self._phase(event, now)
+        preview = None
+        if now - self.last_preview_at >= PREVIEW_INTERVAL_S:
+            latents = getattr(event, "video_x0", None)
+            if latents is not None:
+                preview = preview_jpeg(latents)
+            elif getattr(event, "preview", None) is not None:
+                preview = frame_jpeg(event.preview)
+            if preview is not None:
+                self.last_preview_at = now
+        msg["has_preview"] = preview is not None
+        self.loop.call_soon_threadsafe(self.job.publish, msg, preview)
+
+    def _step(self, event: StepEvent, now: float) -> dict:
         step_s, self.last_step_at = now - self.last_step_at, now
         self.steps_done += 1
         if self.first_step_at is None:
             self.first_step_at = now
-            per_step = now - self.started  # includes prompt encoding: a rough first guess
+            per_step = now - self.started
         else:
             per_step = (now - self.first_step_at) / (self.steps_done - 1)
-        latents = getattr(event, "video_x0", None)  # None: a SeedVR2 batch with a pixel preview
-        preview = None
-        if now - self.last_preview_at >= PREVIEW_INTERVAL_S:
-            preview = preview_jpeg(latents) if latents is not None else frame_jpeg(event.preview)
-            self.last_preview_at = now
-        stage, extra, decode_s = "upscaling", {}, 0.0
-        if latents is not None:
-            stage, decode_s = "denoising", self.decode_s_per_voxel * latent_voxels(latents)
-            extra = {"detail": event.stage} if event.stage != "denoising" else {}
-        eta = round(per_step * steps_left(event) + decode_s, 2)
-        msg = progress_message(self.job.id, stage, event.step, event.total, eta, preview is not None, **extra)
-        self.loop.call_soon_threadsafe(self.job.publish, msg, preview)
-        if latents is not None and event.step == event.total:
-            decoding = progress_message(self.job.id, "decoding", event.step, event.total, round(decode_s, 2) or None,
-                                        **extra)
-            self.loop.call_soon_threadsafe(self.job.publish, decoding)
-        log_event("job.step", job=self.job.id, stage=stage, step=event.step, total=event.total, step_s=step_s,
+        self.rates["denoising"] = per_step
+        decode_s = self.decode_s_per_voxel * latent_voxels(event.video_x0)
+        extra = {"detail": event.stage} if event.stage != "denoising" else {}
+        log_event("job.step", job=self.job.id, stage="denoising", step=event.step, total=event.total, step_s=step_s,
                   **extra)
+        return progress_message(self.job.id, "denoising", event.step, event.total,
+                                round(per_step * steps_left(event) + decode_s, 2), **extra)
+
+    def _phase(self, event: PhaseEvent, now: float) -> dict:
+        if event.stage == "denoising" and self.first_step_at is None:
+            self.started = self.last_step_at = now  # the first step's time leaves out what came before the loop
+        if event.done == 0 or event.stage not in self.phases:
+            self.phases[event.stage] = (now, event.done)
+        began, done_then = self.phases[event.stage]
+        if event.done > done_then:
+            self.rates[event.stage] = (now - began) / (event.done - done_then)
+        rate = self.rates.get(event.stage)
+        eta = round(rate * (event.total - event.done), 2) if rate is not None and event.total else None
+        if event.done == event.total and event.total:
+            log_event("job.phase", job=self.job.id, stage=event.stage, detail=event.detail, chunks=event.total,
+                      phase_s=round(now - began, 3))
+        extra = {"detail": event.detail} if event.detail else {}
+        return progress_message(self.job.id, event.stage, event.done, event.total, eta, **extra)
 
 
 def steps_left(event) -> int:
@@ -219,6 +246,7 @@ class Scheduler:
         self.running: Job | None = None
         self.counters: Counter[str] = Counter()
         self.decode_s_per_voxel = 0.0  # measured on the last finished job
+        self.phase_rates: dict[str, float] = {}  # stage -> seconds per chunk, as the last job that ran it measured
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3-pipeline")
         self._wake = asyncio.Event()
 
@@ -306,7 +334,8 @@ class Scheduler:
         try:
             check_memory_cap(job.spec, self.memory_cap_bytes, self.runner.pipeline)
             result = await loop.run_in_executor(self._executor, self.runner.run, job.spec, job.cancel,
-                                                ProgressReporter(job, loop, self.decode_s_per_voxel))
+                                                ProgressReporter(job, loop, self.decode_s_per_voxel,
+                                                                 self.phase_rates))
         except Exception as exc:
             self._finish(job, error=exc)
         else:

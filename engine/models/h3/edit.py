@@ -15,7 +15,7 @@ from engine.models.h3 import layout as L
 from engine.models.h3 import mask as M
 from engine.models.h3.denoise import Target
 from engine.models.h3.request import EDIT_PRESETS, EditRequest, GenerateResult
-from engine.models.h3.source import audio_latents, pad_frames, prepare_clip
+from engine.models.h3.source import audio_latents, encode_video, pad_frames, prepare_clip
 
 
 def run_edit(pipe, req: EditRequest, on_step=None) -> GenerateResult:
@@ -33,7 +33,7 @@ def run_edit(pipe, req: EditRequest, on_step=None) -> GenerateResult:
     if steps < 2:
         raise L.LayoutError(f"Steps must be at least 2 sigma grid points, got {steps}.")
 
-    clip = prepare_clip(req.source, pipe.canvas.short_edge, pipe.canvas.max_pixels)
+    clip = prepare_clip(req.source, pipe.canvas.short_edge, pipe.canvas.max_pixels, on_step)
     source_frames = clip.frames.shape[0]
     frames, _ = L.frames_for_seconds(source_frames / L.FPS)
     notes = clip.notes + ([f"source padded from {source_frames} to {frames} frames (17n + 5); the result is cut "
@@ -56,9 +56,9 @@ def run_edit(pipe, req: EditRequest, on_step=None) -> GenerateResult:
     layout = L.build_layout(tags, T, h, w, Ta, cfg.patch_size[1:])
     latents = req.source.video_latents
     if latents is None or tuple(latents.shape[2:]) != (T, h, w):
-        latents = pipe.video_vae.encode_frames(pad_frames(clip.frames, frames).to(pipe.device))
+        latents = encode_video(pipe, pad_frames(clip.frames, frames), on_step)
     clean = L.patchify(latents.float().to(pipe.device))
-    source_audio, have = audio_latents(pipe, req.source, Ta)
+    source_audio, have = audio_latents(pipe, req.source, Ta, on_step)
 
     # Same draws as plain generation first (video, then audio noise), so an all-ones mask reproduces it.
     gen = torch.Generator("cpu").manual_seed(int(req.seed))
@@ -88,7 +88,7 @@ def run_edit(pipe, req: EditRequest, on_step=None) -> GenerateResult:
     audio_latents_out = L.unpack_audio(audio_rows)[0]
     t_dec = time.perf_counter()
     timings = {"denoise_s": t_dec - t_loop}
-    pixels, waveform, mp4 = pipe.decode(video_latents, audio_latents_out, source_frames, timings, notes)
+    pixels, waveform, mp4 = pipe.decode(video_latents, audio_latents_out, source_frames, timings, notes, on_step)
     timings |= {"decode_s": time.perf_counter() - t_dec, "total_s": time.perf_counter() - t0}
     return GenerateResult(pixels, waveform, pipe.audio_vae.sample_rate, L.FPS, video_latents.cpu(),
                           audio_latents_out.cpu(), notes, timings, mp4)

@@ -17,8 +17,10 @@ import torch
 
 from engine.models.h3 import layout as L
 from engine.models.h3.denoise import Target
-from engine.models.h3.request import ExtendRequest, GenerateResult, StepEvent
-from engine.models.h3.source import audio_latents, prepare_clip
+from engine.models.h3.request import ExtendRequest, GenerateResult
+from engine.models.h3.source import audio_latents, encode_video, prepare_clip
+from engine.models.h3.vae import VideoVAE
+from engine.models.phases import Phase
 
 AUDIO_PER_FRAME = L.AUDIO_LATENTS_PER_SECOND / L.FPS  # 5/3 audio latents per pixel frame
 CONTEXT_CHUNKS = 1  # VAE chunks (17 frames / 5 latents) decoded before a window's new frames
@@ -76,7 +78,7 @@ def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
     steps = pipe.canvas.default_steps if req.steps is None else int(req.steps)
     cfg = pipe.dit.config
 
-    clip = prepare_clip(req.source, pipe.canvas.short_edge, pipe.canvas.max_pixels)
+    clip = prepare_clip(req.source, pipe.canvas.short_edge, pipe.canvas.max_pixels, on_step)
     F_src, height, width = clip.frames.shape[0], clip.height, clip.width
     h, w = height // L.VAE_SPATIAL, width // L.VAE_SPATIAL
     notes = list(clip.notes)
@@ -89,10 +91,10 @@ def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
                      f"video VAE's 17-frame chunks")
     latents = req.source.video_latents
     if latents is None or tuple(latents.shape[-3:]) != (L.latent_frames(F0), h, w):
-        latents = pipe.video_vae.encode_frames(clip.frames[:F0].to(pipe.device))
+        latents = encode_video(pipe, clip.frames[:F0], on_step)
     latents = latents.float().cpu()
     Ta0 = round(F0 * AUDIO_PER_FRAME)
-    audio, have = audio_latents(pipe, req.source, Ta0)
+    audio, have = audio_latents(pipe, req.source, Ta0, on_step)
     guide_sound = have > 0  # a silent source gives its first window no sound to continue
     audio = (audio if audio is not None else torch.zeros(2, cfg.audio_in_channels, Ta0)).cpu()
 
@@ -121,12 +123,8 @@ def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
         cond_audio = L.pack_audio(audio[None, :, :, window.audio_start:].to(pipe.device)) if guide_audio else None
         video = Target(L.patchify(pipe.noise(gen, 1, cfg.in_channels, T_w, h, w)))
         sound = Target(pipe.noise(gen, 1, L.AUDIO_CHANNELS * window.audio_latents, cfg.audio_in_channels))
-
-        def report(event, k=k):
-            if on_step is not None:
-                on_step(StepEvent(event.step, event.total, event.video_x0, f"window {k + 1}/{len(windows)}"))
-
-        video_rows, audio_rows = pipe.run_denoise(layout, text, video, sound, steps, report, (T_w, h, w),
+        name = f"window {k + 1}/{len(windows)}"
+        video_rows, audio_rows = pipe.run_denoise(layout, text, video, sound, steps, on_step, (T_w, h, w), name,
                                                   cond_video=cond_video, cond_audio=cond_audio)
         new_latents = L.unpatchify(video_rows, T_w, h, w, cfg.patch_size)[:, :, ov:].cpu()
         new_audio = L.unpack_audio(audio_rows)[0][:, :, audio.shape[-1] - window.audio_start:].cpu()
@@ -134,9 +132,13 @@ def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
         latents = torch.cat([latents, new_latents], dim=2)
         audio = torch.cat([audio, new_audio], dim=2)
         guide_sound = True
-        new_frames = _decode_new_frames(pipe, latents, F_prev)
+        chunks = VideoVAE.decode_chunk_count(latents.shape[2] - 5 * _context_chunk(F_prev))
+        done = Phase(on_step, "decoding", chunks + 1, f"{name}: video")
+        new_frames = _decode_new_frames(pipe, latents, F_prev, done)
         out_frames[F_prev:F_prev + new_frames.shape[0]] = new_frames
+        done.detail = f"{name}: sound"
         sound = _decode_new_sound(pipe, audio, Ta_prev, emitted)[:, : out_audio.shape[1] - emitted]
+        done()
         out_audio[:, emitted:emitted + sound.shape[1]] = sound
         emitted += sound.shape[1]
 
@@ -150,10 +152,15 @@ def _frames_of(num_latents: int) -> int:
     return (num_latents - 2) // 5 * 17 + 5
 
 
-def _decode_new_frames(pipe, latents: torch.Tensor, first_new: int) -> torch.Tensor:
+def _context_chunk(first_new: int) -> int:
+    """The VAE chunk a window's decode starts at: one chunk before its first new frame, for context."""
+    return max(0, (first_new - 5) // 17 - CONTEXT_CHUNKS)
+
+
+def _decode_new_frames(pipe, latents: torch.Tensor, first_new: int, on_chunk=None) -> torch.Tensor:
     """Decode the frames from `first_new` on, starting at a VAE chunk boundary one chunk earlier for context."""
-    chunk = max(0, (first_new - 5) // 17 - CONTEXT_CHUNKS)
-    pixels = pipe.video_vae.decode(latents[:, :, 5 * chunk:].to(pipe.device))
+    chunk = _context_chunk(first_new)
+    pixels = pipe.video_vae.decode(latents[:, :, 5 * chunk:].to(pipe.device), on_chunk)
     return pixels[first_new - 17 * chunk:].cpu()
 
 

@@ -4,6 +4,10 @@ request -> canvas/frames rules -> conditioner (prompt cache) -> keyframe latents
 loop (AdaLN cache, optional VSA) -> audio VAE decode + video VAE decode, streamed chunk by chunk into the MP4
 encoder. Masked edit, extension and latent refine (edit.py, extend.py, refine.py) reuse these stages. Presets
 build every component offline from a seed (`tiny`); `from_models` loads real checkpoints from a models directory.
+
+`on_step` gets a StepEvent after every denoise step and a PhaseEvent (engine.models.phases) at the start of the
+denoise loop and at every chunk boundary of the other long phases: "reading source", "encoding" (per VAE clip),
+"decoding" (the sound, then per VAE chunk), "muxing" (rank 0's wait for its MP4 encoder). Raise from it to stop.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from engine.models.h3.lora import load_lora, merge_lora, unmerge_lora
 from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, GenerateRequest, GenerateResult,
                                       RefineRequest, StepEvent)
 from engine.models.h3.vae import AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae
+from engine.models.phases import Phase, PhaseEvent
 
 KEYFRAME_NOISE_AUG = L.CONDITION_TIMESTEP
 
@@ -220,6 +225,8 @@ class H3Pipeline:
         if on_step is not None:
             def report(step, total, x0_rows):
                 on_step(StepEvent(step, total, L.unpatchify(x0_rows, T, h, w, patch), stage))
+
+            on_step(PhaseEvent("denoising", 0, steps - 1 - start, None if stage == "denoising" else stage))
         schedule = self.adaln_cache.schedule(self.dit) if self.adaln_cache else None
         layout = layout.to(self.device)
         with self.sparse_attention(layout):
@@ -240,15 +247,20 @@ class H3Pipeline:
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(self.device)
 
     def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor, frames: int,
-               timings: dict[str, float], notes: list[str]) -> tuple[torch.Tensor, torch.Tensor, bytes | None]:
+               timings: dict[str, float], notes: list[str], on_step=None
+               ) -> tuple[torch.Tensor, torch.Tensor, bytes | None]:
         """Latents -> (uint8 frames [frames, H, W, 3], float32 audio [2, S], the MP4 of both or None), on the CPU.
 
         With `encode_mp4` the sound decodes first (it is small) so the MP4 encoder has it from the start; then each
         video VAE chunk goes to the encoder as it comes, and encoding overlaps decoding. `timings` gains mp4_s (the
-        wait for the encoder after the last chunk), `notes` the H.264 encoder used.
+        wait for the encoder after the last chunk), `notes` the H.264 encoder used. A "decoding" boundary after the
+        sound and after every video chunk.
         """
         rate = self.audio_vae.sample_rate
+        done = Phase(on_step, "decoding", 1 + VideoVAE.decode_chunk_count(video_latents.shape[2], frames), "sound")
         waveform = self.audio_vae.decode(audio_latents)[:, : round(frames / L.FPS * rate)].float().cpu()
+        done.detail = "video"
+        done()
         buffer, chunks, left = io.BytesIO(), [], frames
         codec = "auto" if self.device.type == "cuda" else "libx264"
         encoder = Mp4Encoder(buffer, L.FPS, waveform, rate, codec=codec) if self.encode_mp4 else None
@@ -259,12 +271,15 @@ class H3Pipeline:
                     encoder.add(chunk)
                 chunks.append(chunk)
                 left -= chunk.shape[0]
+                done()
                 if not left:
                     break
             if encoder is None:
                 return torch.cat(chunks), waveform, None
             t_mp4 = time.perf_counter()
+            muxed = Phase(on_step, "muxing", 1, "MP4", collective=False)  # rank 0 alone encodes
             encoder.close()
+            muxed()
         timings["mp4_s"] = time.perf_counter() - t_mp4
         notes.append(f"MP4 encoded with {encoder.codec}")
         return torch.cat(chunks), waveform, buffer.getvalue()
@@ -298,7 +313,7 @@ class H3Pipeline:
         t_dec = time.perf_counter()
         video_latents = L.unpatchify(video_rows, T, h, w, cfg.patch_size)
         audio_latents = L.unpack_audio(audio_rows)[0]
-        pixels, waveform, mp4 = self.decode(video_latents, audio_latents, frames, timings, notes)
+        pixels, waveform, mp4 = self.decode(video_latents, audio_latents, frames, timings, notes, on_step)
         timings["decode_s"] = time.perf_counter() - t_dec
         timings["total_s"] = time.perf_counter() - t0
         return GenerateResult(pixels, waveform, self.audio_vae.sample_rate, L.FPS,

@@ -16,7 +16,7 @@ from engine.models.h3 import layout as L
 from engine.models.h3.denoise import Target
 from engine.models.h3.request import GenerateResult, RefineRequest
 from engine.models.h3.schedule import VIDEO_SHIFT, sigmas
-from engine.models.h3.source import audio_latents, pad_frames, prepare_clip
+from engine.models.h3.source import audio_latents, encode_video, pad_frames, prepare_clip
 
 SCALES = (1.5, 2.0)
 
@@ -51,7 +51,7 @@ def run_refine(pipe, req: RefineRequest, on_step=None) -> GenerateResult:
     steps = pipe.canvas.default_steps if req.steps is None else int(req.steps)
     cfg = pipe.dit.config
 
-    clip = prepare_clip(req.source, pipe.canvas.short_edge, pipe.canvas.max_pixels)
+    clip = prepare_clip(req.source, pipe.canvas.short_edge, pipe.canvas.max_pixels, on_step)
     source_frames = clip.frames.shape[0]
     frames, _ = L.frames_for_seconds(source_frames / L.FPS)
     height, width, note = L.check_canvas(round(clip.height * req.scale), round(clip.width * req.scale))
@@ -59,7 +59,7 @@ def run_refine(pipe, req: RefineRequest, on_step=None) -> GenerateResult:
     T, h, w, Ta = L.latent_frames(frames), height // L.VAE_SPATIAL, width // L.VAE_SPATIAL, L.audio_latents(frames)
     latents = req.source.video_latents
     if latents is None or latents.shape[2] != T:
-        latents = pipe.video_vae.encode_frames(pad_frames(clip.frames, frames).to(pipe.device))
+        latents = encode_video(pipe, pad_frames(clip.frames, frames), on_step)
     up = upscale_latents(latents.float().to(pipe.device), h, w)
 
     text, tags = pipe.encode_prompt(req.prompt.strip())
@@ -69,7 +69,7 @@ def run_refine(pipe, req: RefineRequest, on_step=None) -> GenerateResult:
     gen = torch.Generator("cpu").manual_seed(int(req.seed))
     noise = pipe.noise(gen, 1, cfg.in_channels, T, h, w)
     video = Target(L.patchify((1 - sigma0) * up + sigma0 * noise))
-    source_audio, have = audio_latents(pipe, req.source, Ta)
+    source_audio, have = audio_latents(pipe, req.source, Ta, on_step)
     audio_noise = pipe.noise(gen, 1, L.AUDIO_CHANNELS * Ta, cfg.audio_in_channels)
     if source_audio is None or have < Ta:
         audio = Target(audio_noise)
@@ -86,7 +86,7 @@ def run_refine(pipe, req: RefineRequest, on_step=None) -> GenerateResult:
     notes.append(f"latents upscaled x{req.scale:g} to {width}x{height}, re-noised to sigma {sigma0:.3f}, "
                  f"{points - 1 - start} refine steps")
     timings = {}
-    pixels, waveform, mp4 = pipe.decode(video_latents, audio_out, source_frames, timings, notes)
+    pixels, waveform, mp4 = pipe.decode(video_latents, audio_out, source_frames, timings, notes, on_step)
     timings["total_s"] = time.perf_counter() - t0
     return GenerateResult(pixels, waveform, pipe.audio_vae.sample_rate, L.FPS, video_latents.cpu(), audio_out.cpu(),
                           notes, timings, mp4)

@@ -1,4 +1,8 @@
-"""Bringing a source clip onto the model's grid: 24 fps, a canvas of the preset, 17n + 5 frames, latents."""
+"""Bringing a source clip onto the model's grid: 24 fps, a canvas of the preset, 17n + 5 frames, latents.
+
+Resizing reports a "reading source" boundary per 32 frames, encoding an "encoding" boundary per VAE clip (and one
+for the sound) through the task's `on_step`.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,9 @@ import torch.nn.functional as F
 
 from engine.models.h3 import layout as L
 from engine.models.h3.request import Source
+from engine.models.phases import Phase
+
+RESIZE_CHUNK = 32  # frames resized at a time
 
 
 @dataclass
@@ -39,7 +46,7 @@ def to_frames(x) -> torch.Tensor:
     return frames
 
 
-def prepare_clip(source: Source, short_edge: int, max_pixels: int) -> Clip:
+def prepare_clip(source: Source, short_edge: int, max_pixels: int, on_step=None) -> Clip:
     """Resample to 24 fps (nearest frame) and resize onto the canvas for the source's aspect ratio."""
     frames = to_frames(source.frames)
     notes = []
@@ -51,17 +58,20 @@ def prepare_clip(source: Source, short_edge: int, max_pixels: int) -> Clip:
     H, W = frames.shape[1:3]
     height, width = L.canvas_for_aspect(W, H, short_edge, max_pixels)
     if (height, width) != (H, W):
-        frames = resize_frames(frames, height, width)
+        frames = resize_frames(frames, height, width, Phase(on_step, "reading source", -(-frames.shape[0] //
+                               RESIZE_CHUNK), f"resizing to {width}x{height}"))
         notes.append(f"source resized from {W}x{H} to the {width}x{height} canvas")
     return Clip(frames.contiguous(), height, width, index, notes)
 
 
-def resize_frames(frames: torch.Tensor, height: int, width: int, chunk: int = 32) -> torch.Tensor:
+def resize_frames(frames: torch.Tensor, height: int, width: int, on_chunk=None) -> torch.Tensor:
     out = torch.empty(frames.shape[0], height, width, 3, dtype=torch.uint8)
-    for i in range(0, frames.shape[0], chunk):
-        x = frames[i:i + chunk].permute(0, 3, 1, 2).float()
+    for i in range(0, frames.shape[0], RESIZE_CHUNK):
+        x = frames[i:i + RESIZE_CHUNK].permute(0, 3, 1, 2).float()
         x = F.interpolate(x, size=(height, width), mode="bilinear", align_corners=False, antialias=True)
-        out[i:i + chunk] = x.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+        out[i:i + RESIZE_CHUNK] = x.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+        if on_chunk is not None:
+            on_chunk()
     return out
 
 
@@ -72,7 +82,13 @@ def pad_frames(frames: torch.Tensor, count: int) -> torch.Tensor:
     return torch.cat([frames, frames[-1:].expand(count - frames.shape[0], -1, -1, -1)])
 
 
-def audio_latents(pipe, source: Source, num_latents: int) -> tuple[torch.Tensor | None, int]:
+def encode_video(pipe, frames: torch.Tensor, on_step=None) -> torch.Tensor:
+    """uint8 frames [17n + 5, H, W, 3] -> normalised latents, an "encoding" boundary after every VAE clip."""
+    done = Phase(on_step, "encoding", pipe.video_vae.encode_chunks(frames.shape[0]), "video")
+    return pipe.video_vae.encode_frames(frames.to(pipe.device), on_chunk=done)
+
+
+def audio_latents(pipe, source: Source, num_latents: int, on_step=None) -> tuple[torch.Tensor | None, int]:
     """Normalised source audio latents [2, 32, num_latents] (or None) and how many came from the source; a short
     soundtrack is zero-padded and the caller regenerates the padding."""
     if source.audio_latents is not None:
@@ -85,7 +101,9 @@ def audio_latents(pipe, source: Source, num_latents: int) -> tuple[torch.Tensor 
         if wave.ndim != 2 or not torch.isfinite(wave).all():
             raise L.LayoutError(f"The source audio must be float samples [channels, samples], got "
                                 f"{list(wave.shape)}.")
+        done = Phase(on_step, "encoding", 1, "sound")
         latents = pipe.audio_vae.encode(wave.to(pipe.device), int(source.sample_rate))
+        done()
     else:
         return None, 0
     have = min(latents.shape[-1], num_latents)

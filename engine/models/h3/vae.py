@@ -14,10 +14,12 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.models.modeling_utils import no_init_weights
 from safetensors import safe_open
 from torch import nn
@@ -279,12 +281,18 @@ class VideoVAE(nn.Module):
     def spatial_compression(self) -> int:
         return self.model.spatial_compression_ratio
 
+    def encode_chunks(self, num_frames: int) -> int:
+        """How often `encode_frames` of `num_frames` frames calls `on_chunk`: once per clip of 17 frames."""
+        return -(-num_frames // self.model.config.clip_length) if num_frames > 1 else 1
+
     @torch.no_grad()
-    def encode_frames(self, frames_uint8: torch.Tensor, generator_seed: int = ENCODE_SEED) -> torch.Tensor:
+    def encode_frames(self, frames_uint8: torch.Tensor, generator_seed: int = ENCODE_SEED,
+                      on_chunk: Callable[[], None] | None = None) -> torch.Tensor:
         """uint8 [F, H, W, 3] (F = 1 or 17n + 5; H, W multiples of 16) -> normalised latents [1, 24, T, H/16, W/16].
 
         The keyframe/reference recipe (spec §3.1): ImageNet-normalise, encode, sample the posterior under an
-        independent CPU generator seeded `generator_seed`, round to fp16, normalise.
+        independent CPU generator seeded `generator_seed`, round to fp16, normalise. `on_chunk()` after every
+        17-frame clip.
         """
         frames = torch.as_tensor(frames_uint8)
         if frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[-1] != 3:
@@ -297,18 +305,48 @@ class VideoVAE(nn.Module):
             raise ValueError(f"frame size {width}x{height} must be a multiple of {s}")
         x = frames.to(self.device).permute(3, 0, 1, 2).unsqueeze(0).float().div_(255.0)
         x = (x - self.pixel_mean) / self.pixel_std
-        posterior = self.model.encode(x, return_dict=False)[0]
+        posterior = DiagonalGaussianDistribution(self._encoded_clips(x, on_chunk or (lambda: None)))
         z = posterior.sample(generator=torch.Generator().manual_seed(generator_seed))
         z = z.to(torch.float16).float()
         return (z - self.latents_mean) / self.latents_std
+
+    def _encoded_clips(self, x: torch.Tensor, on_chunk: Callable[[], None]) -> torch.Tensor:
+        """diffusers' `_encode` loop (clips of 17 frames, the last padded by repetition, `token_drop` trailing
+        latents dropped), with `on_chunk()` after every clip."""
+        model, clip = self.model, self.model.config.clip_length
+        if x.shape[2] == 1:
+            moments = model._encode_clip(x)
+            on_chunk()
+            return moments
+        if x.shape[2] % clip:
+            x = torch.cat([x, x[:, :, -1:].repeat(1, 1, -x.shape[2] % clip, 1, 1)], dim=2)
+        moments = []
+        for i in range(x.shape[2] // clip):
+            moments.append(model._encode_clip(x[:, :, i * clip:(i + 1) * clip]))
+            on_chunk()
+        moments = torch.cat(moments, dim=2)
+        return moments[:, :, :-model.config.token_drop] if model.config.token_drop > 0 else moments
 
     def encode_image(self, image_uint8: torch.Tensor, generator_seed: int = ENCODE_SEED) -> torch.Tensor:
         """uint8 [H, W, 3] -> normalised latents [1, 24, 1, H/16, W/16] (spatial encoder only)."""
         return self.encode_frames(torch.as_tensor(image_uint8)[None], generator_seed)
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised latents [1, 24, T, h, w] -> uint8 frames [F, H, W, 3] on the CPU: `decode_chunks`, joined."""
-        return torch.cat(list(self.decode_chunks(latents)))
+    def decode(self, latents: torch.Tensor, on_chunk: Callable[[], None] | None = None) -> torch.Tensor:
+        """Normalised latents [1, 24, T, h, w] -> uint8 frames [F, H, W, 3] on the CPU: `decode_chunks`, joined;
+        `on_chunk()` after every chunk."""
+        chunks = []
+        for chunk in self.decode_chunks(latents):
+            chunks.append(chunk)
+            if on_chunk is not None:
+                on_chunk()
+        return torch.cat(chunks)
+
+    @staticmethod
+    def decode_chunk_count(num_latents: int, num_frames: int | None = None) -> int:
+        """How many chunks `decode_chunks` yields for 5n + 2 latents (n of 17 frames, then 5), or until
+        `num_frames` frames are out."""
+        n = (num_latents - 2) // LATENTS_PER_CHUNK
+        return n + 1 if num_frames is None else min(n + 1, -(-num_frames // CLIP_LENGTH))
 
     @torch.no_grad()
     def decode_chunks(self, latents: torch.Tensor) -> Iterator[torch.Tensor]:

@@ -7,7 +7,9 @@ at the head, and every later chunk is prefixed with the last k - s input frames 
 
 Memory: time is processed in chunks (`encode_chunk` frames, `decode_chunk` latents); a conv whose input exceeds
 `CONV_MAX_ELEMENTS` runs in row bands with exact halos; optional spatial tiling (tiles blended with linear ramps)
-bounds the activations of large frames, at the price of per-tile GroupNorm statistics (not exact).
+bounds the activations of large frames, at the price of per-tile GroupNorm statistics (not exact). `on_chunk()`
+is called after every temporal chunk of every tile (`encode_boundaries` / `decode_boundaries` say how often), so
+a job can report progress and stop between chunks.
 
 Frames: T = 4n + 1 pixel frames <-> n + 1 latent frames; latent 0 is pixel frame 0 alone.
 """
@@ -244,6 +246,18 @@ class Decoder3D(nn.Module):
         return self.conv_out(F.silu(frame_group_norm(self.conv_norm_out, x), inplace=True), state)
 
 
+def chunk_count(frames: int, chunk: int) -> int:
+    """How many temporal chunks `VideoVAE._chunked` cuts `frames` into: the first 1 + chunk, then chunk at a time."""
+    return 1 + -(-max(frames - 1 - chunk, 0) // chunk)
+
+
+def tile_count(height: int, width: int, tile: int, overlap: int) -> int:
+    """How many spatial tiles `tiled` runs over a [..., height, width] input."""
+    if height <= tile and width <= tile:
+        return 1
+    return len(_tile_starts(height, tile, tile - overlap)) * len(_tile_starts(width, tile, tile - overlap))
+
+
 def _tile_starts(size: int, tile: int, stride: int) -> list[int]:
     if size <= tile:
         return [0]
@@ -309,15 +323,29 @@ class VideoVAE(nn.Module):
         return self.encoder.conv_in.weight.dtype
 
     @staticmethod
-    def _chunked(fn, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    def _chunked(fn, x: torch.Tensor, chunk: int, on_chunk: Callable[[], None] | None = None) -> torch.Tensor:
         state, outs = Causal(), []
         pieces = [x[:, :, :1 + chunk]] + [p for p in x[:, :, 1 + chunk:].split(chunk, dim=2) if p.shape[2]]
         for piece in pieces:
             outs.append(fn(piece, state))
             state.first = False
+            if on_chunk is not None:
+                on_chunk()
         return torch.cat(outs, dim=2)
 
-    def encode(self, x: torch.Tensor, tiling: bool = False) -> torch.Tensor:
+    def encode_boundaries(self, shape: tuple[int, ...], tiling: bool = False) -> int:
+        """How often `encode` of an input of `shape` [B, 3, T, H, W] calls `on_chunk`."""
+        tiles = tile_count(*shape[-2:], self.tile_size, self.tile_overlap) if tiling else 1
+        return tiles * chunk_count(shape[2], self.encode_chunk)
+
+    def decode_boundaries(self, shape: tuple[int, ...], tiling: bool = False) -> int:
+        """How often `decode` of latents of `shape` [B, 16, t, h, w] calls `on_chunk`."""
+        s = self.config.spatial_factor
+        tiles = tile_count(*shape[-2:], self.tile_size // s, self.tile_overlap // s) if tiling else 1
+        return tiles * chunk_count(shape[2], self.decode_chunk)
+
+    def encode(self, x: torch.Tensor, tiling: bool = False, on_chunk: Callable[[], None] | None = None
+               ) -> torch.Tensor:
         """x [B, 3, 4n+1, H, W] in [-1, 1], H and W multiples of 8 -> moments [B, 32, n+1, H/8, W/8] (mean, logvar)."""
         tf, s = self.config.temporal_factor, self.config.spatial_factor
         if (x.shape[2] - 1) % tf:
@@ -325,19 +353,20 @@ class VideoVAE(nn.Module):
         x = x.to(self.dtype)
 
         def run(part):
-            return self._chunked(self.encoder, part, self.encode_chunk)
+            return self._chunked(self.encoder, part, self.encode_chunk, on_chunk)
 
         if not tiling:
             return run(x)
         return tiled(run, x, self.tile_size, self.tile_overlap, 1 / s).to(self.dtype)
 
-    def decode(self, z: torch.Tensor, tiling: bool = False) -> torch.Tensor:
+    def decode(self, z: torch.Tensor, tiling: bool = False, on_chunk: Callable[[], None] | None = None
+               ) -> torch.Tensor:
         """z [B, 16, n+1, h, w] (VAE scale, not the DiT's) -> video [B, 3, 4n+1, 8h, 8w]."""
         s = self.config.spatial_factor
         z = z.to(self.dtype)
 
         def run(part):
-            return self._chunked(self.decoder, part, self.decode_chunk)
+            return self._chunked(self.decoder, part, self.decode_chunk, on_chunk)
 
         if not tiling:
             return run(z)

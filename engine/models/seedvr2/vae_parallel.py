@@ -12,6 +12,10 @@ The chunks and convs are those of one rank, so results match it; each rank holds
 (the same peak as one GPU) and the work splits P ways. Chunks are at least two latent frames long so every chunk
 holds the k - s = 2 frames it passes on. The outputs are all-gathered to every rank. With tiling, every tile runs
 this way.
+
+`on_chunk()` is called on every rank after every round: at the start of the next round once rank 0 holds the
+carries (no send or receive is then pending, so a collective inside `on_chunk`, the job's cancel agreement, cannot
+cross them), and after the final gather. Every rank passes the same number of rounds.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from engine.models.seedvr2.vae import Causal, CausalConv3d, VideoVAE, tiled
+from engine.models.seedvr2.vae import Causal, CausalConv3d, VideoVAE, chunk_count, tile_count, tiled
 from engine.parallel.window_sp import gather_rows
 
 
@@ -59,7 +63,7 @@ def _global(group: dist.ProcessGroup, rank: int) -> int:
 
 
 def chunked(fn: Callable[[torch.Tensor, Causal], torch.Tensor], x: torch.Tensor, chunk: int,
-            group: dist.ProcessGroup) -> torch.Tensor:
+            group: dist.ProcessGroup, on_chunk: Callable[[], None] | None = None) -> torch.Tensor:
     """`VideoVAE._chunked(fn, x, chunk)` with chunk g on rank g mod P; the whole result on every rank."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     pieces = [x[:, :, :1 + chunk]] + [p for p in x[:, :, 1 + chunk:].split(chunk, dim=2) if p.shape[2]]
@@ -70,6 +74,8 @@ def chunked(fn: Callable[[torch.Tensor, Causal], torch.Tensor], x: torch.Tensor,
         if rank == 0 and j > 0 and world > 1:  # the carries out of the previous round, from its last rank
             carry = {conv: torch.empty_like(t) for conv, t in carry.items()}
             _wait([dist.P2POp(dist.irecv, t, _global(group, world - 1), group) for t in carry.values()])
+        if j > 0 and on_chunk is not None:
+            on_chunk()
         if g > last:
             break
         state = _Relay(g == 0, _global(group, rank - 1) if rank else None,
@@ -79,7 +85,10 @@ def chunked(fn: Callable[[torch.Tensor, Causal], torch.Tensor], x: torch.Tensor,
         carry = state.memory
         if rank == world - 1 and last + 1 < len(pieces) and world > 1:
             _wait([dist.P2POp(dist.isend, t.contiguous(), _global(group, 0), group) for t in carry.values()])
-    return _gather_chunks(outs, x, rounds, group)
+    out = _gather_chunks(outs, x, rounds, group)
+    if on_chunk is not None:
+        on_chunk()
+    return out
 
 
 def _gather_chunks(outs: list[torch.Tensor], x: torch.Tensor, rounds: int, group: dist.ProcessGroup
@@ -108,30 +117,45 @@ class ParallelVAE:
         self.encode_chunk = max(vae.encode_chunk, 2 * tf) // tf * tf
         self.decode_chunk = max(vae.decode_chunk, 2)
 
-    def _run(self, fn, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    def _run(self, fn, x: torch.Tensor, chunk: int, on_chunk) -> torch.Tensor:
         hooks = [m.register_forward_pre_hook(_relay) for m in fn.modules() if isinstance(m, CausalConv3d)]
         try:
-            return chunked(fn, x, chunk, self.group)
+            return chunked(fn, x, chunk, self.group, on_chunk)
         finally:
             for hook in hooks:
                 hook.remove()
 
-    def encode(self, x: torch.Tensor, tiling: bool = False) -> torch.Tensor:
+    def _rounds(self, frames: int, chunk: int) -> int:
+        return -(-chunk_count(frames, chunk) // dist.get_world_size(self.group))
+
+    def encode_boundaries(self, shape: tuple[int, ...], tiling: bool = False) -> int:
+        vae = self.vae
+        tiles = tile_count(*shape[-2:], vae.tile_size, vae.tile_overlap) if tiling else 1
+        return tiles * self._rounds(shape[2], self.encode_chunk)
+
+    def decode_boundaries(self, shape: tuple[int, ...], tiling: bool = False) -> int:
+        vae, s = self.vae, self.vae.config.spatial_factor
+        tiles = tile_count(*shape[-2:], vae.tile_size // s, vae.tile_overlap // s) if tiling else 1
+        return tiles * self._rounds(shape[2], self.decode_chunk)
+
+    def encode(self, x: torch.Tensor, tiling: bool = False, on_chunk: Callable[[], None] | None = None
+               ) -> torch.Tensor:
         vae, tf, s = self.vae, self.vae.config.temporal_factor, self.vae.config.spatial_factor
         if (x.shape[2] - 1) % tf:
             raise ValueError(f"the VAE takes {tf}n+1 frames, got {x.shape[2]}")
         x = x.to(vae.dtype)
 
         def run(part):
-            return self._run(vae.encoder, part, self.encode_chunk)
+            return self._run(vae.encoder, part, self.encode_chunk, on_chunk)
 
         return tiled(run, x, vae.tile_size, vae.tile_overlap, 1 / s).to(vae.dtype) if tiling else run(x)
 
-    def decode(self, z: torch.Tensor, tiling: bool = False) -> torch.Tensor:
+    def decode(self, z: torch.Tensor, tiling: bool = False, on_chunk: Callable[[], None] | None = None
+               ) -> torch.Tensor:
         vae, s = self.vae, self.vae.config.spatial_factor
         z = z.to(vae.dtype)
 
         def run(part):
-            return self._run(vae.decoder, part, self.decode_chunk)
+            return self._run(vae.decoder, part, self.decode_chunk, on_chunk)
 
         return tiled(run, z, vae.tile_size // s, vae.tile_overlap // s, s).to(vae.dtype) if tiling else run(z)
