@@ -299,14 +299,18 @@ def test_bad_input_gets_errors_and_the_engine_keeps_serving(engine):
             await ws.send_json({"type": "attach", "id": "a", "job": "nope"})
             await expect("unknown_job")
 
-            # Passes the protocol, fails the model's rules inside the job: an error for that job.
+            # The model's rules are checked at submit, before the job queues (engine.server.cost).
             await submit("t2va", {"prompt": "x", "seconds": 30, **SMALL})
+            assert "5 to 15 s" in (await expect("invalid_request"))["message"]
+
+            # Passes the protocol and the cost check, fails inside the job: an error for that job.
+            await submit("t2va", {"prompt": "x", "attention": "fa3", **SMALL})
             accepted = await next_control(ws)
             assert accepted["type"] == "accepted"
             while (reply := await next_control(ws))["type"] == "progress":
                 pass
             assert reply["type"] == "error" and reply["job"] == accepted["job"]
-            assert reply["code"] == "invalid_request" and "5 to 15 s" in reply["message"]
+            assert reply["code"] == "invalid_request" and "not available" in reply["message"]
 
             await ws.send_json({"type": "status", "id": "st"})  # the same connection still works
             reply = await next_control(ws)

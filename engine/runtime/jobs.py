@@ -26,6 +26,7 @@ from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, Gen
                                       RefineRequest, Source, StepEvent)
 from engine.kernels import attention
 from engine.parallel import ulysses
+from engine import protocol
 from engine.protocol import ProtocolError, mask_mismatch
 from engine.runtime.agreement import PeerFailed, StepAgreement
 from engine.runtime.log import log_event
@@ -152,7 +153,7 @@ def decode_source(data: np.ndarray) -> Source:
     from engine.io.video import read_video
 
     try:
-        frames, fps, audio, rate = read_video(data.tobytes())
+        frames, fps, audio, rate = read_video(data.tobytes(), max_bytes=protocol.MAX_VIDEO_BYTES)
     except (ValueError, OSError, av.FFmpegError) as exc:
         raise LayoutError(f"The source video could not be decoded ({exc}). Send a video file (MP4, MOV, WebM) "
                           f"with a video stream.") from None
