@@ -47,6 +47,10 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--result-ttl-min", type=float, default=60, help="how long finished results are kept")
     p.add_argument("--result-cache-gb", type=float, default=4, help="memory for kept results; oldest go first")
     p.add_argument("--max-results", type=int, default=1000, help="results (and failed jobs) kept at most")
+    p.add_argument("--failed-ttl-min", type=float, default=5,
+                   help="how long failed and cancelled jobs are kept (for a client that reattaches)")
+    p.add_argument("--client-timeout-s", type=float, default=10,
+                   help="time a client has for its HTTP request headers and for its WebSocket hello")
     p.add_argument("--max-connections", type=int, default=512,
                    help="TCP connections at once (fewer when the file-descriptor limit, ulimit -n, is low)")
     p.add_argument("--memory-cap-gb", type=float, default=_env_float("H3FORGE_MEMORY_CAP_GB"),
@@ -122,7 +126,7 @@ async def serve(args: argparse.Namespace, ctx, source) -> int:
     from engine.server.app import EngineService, make_app
     from engine.server.auth import load_or_create_token
     from engine.server.cost import preset_canvas, preset_limits
-    from engine.server.guard import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, ConnectionGuard, connection_cap
+    from engine.server.guard import ACCEPT_BACKLOG, BODY_TIMEOUT_S, ConnectionGuard, connection_cap
     from engine.server.scheduler import Scheduler
     from engine.server.store import ResultStore
 
@@ -130,19 +134,20 @@ async def serve(args: argparse.Namespace, ctx, source) -> int:
     loop.set_exception_handler(ThrottledExceptionLog())
     token_file = (args.token_file or protocol.default_token_file()).expanduser()
     store = ResultStore(ttl_s=args.result_ttl_min * 60, max_bytes=int(args.result_cache_gb * 2**30),
-                        max_entries=args.max_results)
+                        max_entries=args.max_results, failed_ttl_s=args.failed_ttl_min * 60)
     scheduler = Scheduler(lambda: JobRunner(ctx, load_pipeline(source, ctx), source), store, max_queue=args.max_queue,
                           memory_cap_bytes=None if args.memory_cap_gb is None else int(args.memory_cap_gb * 2**30))
-    limits = preset_limits(protocol.Limits(max_tensor_bytes=int(args.max_tensor_mb * 2**20)), source.preset)
+    limits = preset_limits(protocol.Limits(max_tensor_bytes=int(args.max_tensor_mb * 2**20),
+                                           hello_timeout_s=args.client_timeout_s), source.preset)
     service = EngineService(ctx, source, load_or_create_token(token_file), limits, scheduler, store,
                             preset_canvas(source.preset), max_connections=connection_cap(args.max_connections))
     app = make_app(service)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=HEADER_TIMEOUT_S,
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=args.client_timeout_s,
                            lingering_time=BODY_TIMEOUT_S, shutdown_timeout=1.0)
     await runner.setup()
     app["guard"] = guard = ConnectionGuard(runner.server, service.max_connections)
     try:
-        listener = await loop.create_server(guard, args.host, args.port, backlog=128)
+        listener = await loop.create_server(guard, args.host, args.port, backlog=ACCEPT_BACKLOG)
     except OSError as exc:
         await runner.cleanup()
         raise SystemExit(f"H3Forge engine: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}). "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -115,7 +116,11 @@ class Connection:
 
     async def _close(self, code: int, reason: str) -> None:
         try:
-            await asyncio.wait_for(self.ws.close(code=code, message=reason.encode()), CLOSE_TIMEOUT_S)
+            if code == WSCloseCode.POLICY_VIOLATION:  # a flood or a client not reading: no close handshake to wait for
+                frame = struct.pack("!H", code) + reason.encode()
+                await asyncio.wait_for(self.ws.send_frame(frame, WSMsgType.CLOSE), CLOSE_TIMEOUT_S)
+            else:
+                await asyncio.wait_for(self.ws.close(code=code, message=reason.encode()), CLOSE_TIMEOUT_S)
         except (asyncio.TimeoutError, ConnectionError, RuntimeError):
             pass
         if self.transport is not None:
@@ -167,7 +172,7 @@ class Connection:
     async def _read_loop(self) -> None:
         async for message in self.ws:
             if self.closing is not None:
-                continue  # the close handshake is under way: what the client still sends is dropped
+                break  # what the client still sends is not even read
             if message.type in (WSMsgType.TEXT, WSMsgType.BINARY) and not self.rate.take():
                 limits = self.service.limits
                 self.close(WSCloseCode.POLICY_VIOLATION, "rate_limit", (
@@ -185,6 +190,7 @@ class Connection:
                 self._on_tensor(message.data)
             elif message.type == WSMsgType.ERROR:
                 log_event("connection.error", logging.WARNING, peer=self.peer, error=str(self.ws.exception()))
+            await asyncio.sleep(0)  # messages already buffered would otherwise be handled without a pause for others
         log_event("connection.closed", peer=self.peer, code=self.ws.close_code)
 
     async def _write_loop(self) -> None:

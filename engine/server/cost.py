@@ -169,7 +169,7 @@ def _mp4_size(data: np.ndarray, limits: Limits) -> SourceSize:
     try:
         info = probe_video(data.tobytes())
     except ValueError as exc:
-        _invalid(f"The source video could not be read ({exc}). Send a video file (MP4, MOV, WebM) with a video "
+        _invalid(f"The source video could not be decoded ({exc}). Send a video file (MP4, MOV, WebM) with a video "
                  f"stream.")
     if not (MIN_SIDE <= info.height <= MAX_SIDE and MIN_SIDE <= info.width <= MAX_SIDE):
         _invalid(f"The source video is {info.width}x{info.height}; videos must be {MIN_SIDE} to {MAX_SIDE} pixels "

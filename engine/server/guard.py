@@ -5,7 +5,7 @@ headers, or one holding a socket open) is closed to make room; when every connec
 one gets a short 503 and is closed.
 
 Headers that never finish are ended by aiohttp's keep-alive timer (its idle timeout also runs from the moment a
-connection is accepted), which the engine sets to HEADER_TIMEOUT_S."""
+connection is accepted), which the engine sets to --client-timeout-s."""
 
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ from aiohttp.web_protocol import RequestHandler
 
 from engine.runtime.log import log_event
 
-HEADER_TIMEOUT_S = 10.0  # for a request's headers, and for an idle keep-alive connection
 BODY_TIMEOUT_S = 2.0  # aiohttp's lingering close: how long an unread request body is drained before closing
 FD_RESERVE = 64  # descriptors kept free for model files, logs, MP4 encodes, torch and the ranks' sockets
+# asyncio accepts up to `backlog` connections in one go before any reaches the guard: a small backlog keeps the
+# descriptors taken past the cap (at most about two batches) well inside FD_RESERVE
+ACCEPT_BACKLOG = 16
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\nContent-Length: 60\r\n"
         b"\r\nThe H3Forge engine has too many connections; try again soon.")
 
