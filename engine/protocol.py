@@ -247,8 +247,11 @@ def job_id(value: Any) -> str:
 
 
 def flag_field(msg: dict, key: str) -> bool:
-    """A true/false field of a control message (absent: false); "false" or 0 is refused, not read as true."""
-    value = msg.get(key, False)
+    """A true/false field of a control message (absent or null: false); "false" or 0 is refused, not read as
+    true."""
+    value = msg.get(key)
+    if value is None:
+        return False
     if not isinstance(value, bool):
         raise ProtocolError("invalid_request", f"'{key}' must be true or false, got {shown(value)}.")
     return value

@@ -387,3 +387,26 @@ def test_result_store_expires_and_caps_by_size(monkeypatch):
     assert [f.job for f in store.recent()] == ["big"]
     now += 200
     assert store.get("big") is None and len(store) == 0
+
+
+def test_result_store_caps_entries_expires_failures_early_and_lists_real_results(monkeypatch):
+    def finished(job, finished_at, state="done"):
+        frames = np.zeros((1, 1, 10, 1), np.uint8) if state == "done" else None
+        return FinishedJob(job, "t2va", {}, state, finished_at, finished_at, finished_at, frames=frames,
+                           error_code=None if state == "done" else state)
+
+    store = ResultStore(ttl_s=3600, max_bytes=10**6, max_entries=10, failed_ttl_s=60)
+    now = 1000.0
+    monkeypatch.setattr("engine.server.store.time.time", lambda: now)
+    store.add(finished("real", now))
+    for i in range(30):
+        store.add(finished(f"c{i}", now + i, "cancelled"))
+    assert len(store) == 10 and store.get("real") is not None  # the failures went first
+    assert store.nbytes == 10 and store.get("c0") is None and store.get("c29") is not None
+    recent = [f.job for f in store.recent(n=20, failures=5)]
+    assert "real" in recent and len(recent) == 6
+    now += 100  # past the failures' TTL, inside the results'
+    assert len(store) == 1 and [f.job for f in store.recent()] == ["real"]
+    for i in range(12):
+        store.add(finished(f"r{i}", now + i))
+    assert len(store) == 10 and store.get("real") is None and store.nbytes == 100  # entries cap results too

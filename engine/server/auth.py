@@ -36,12 +36,13 @@ def load_or_create_token(path: Path) -> str:
             raise SystemExit(f"The token file {path} is a symbolic link; the engine reads and protects its secret "
                              f"only in a plain file: give --token-file the file itself.") from None
         raise SystemExit(f"The token file {path} cannot be read ({exc.strerror or exc}).") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise SystemExit(f"The token file {path} is {kind}: give --token-file a file (it is created with a new "
+                         f"token when missing).")
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-            raise SystemExit(f"The token file {path} is {kind}: give --token-file a file (it is created with a "
-                             f"new token when missing).")
         data = f.read(MAX_TOKEN_CHARS + 2)
         if info.st_mode & 0o077:  # fchmod on the file opened, never on what a link would point at
             os.fchmod(f.fileno(), 0o600)
