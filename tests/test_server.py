@@ -406,7 +406,7 @@ def test_result_store_caps_entries_expires_failures_early_and_lists_real_results
     recent = [f.job for f in store.recent(n=20, failures=5)]
     assert "real" in recent and len(recent) == 6
     now += 100  # past the failures' TTL, inside the results'
-    assert len(store) == 1 and [f.job for f in store.recent()] == ["real"]
+    assert [f.job for f in store.recent()] == ["real"] and len(store) == 1
     for i in range(12):
         store.add(finished(f"r{i}", now + i))
     assert len(store) == 10 and store.get("real") is None and store.nbytes == 100  # entries cap results too

@@ -58,7 +58,7 @@ class EngineService:
             "running": running.status(0) if running is not None else None,
             "queue": [job.status(scheduler.position(job)) for job in scheduler.queue],
             "recent": [finished.summary() for finished in self.store.recent()],
-            "store": {"jobs": len(self.store), "bytes": self.store.nbytes, "max_bytes": self.store.max_bytes,
+            "store": {"jobs": len(self.store), "results": self.store.results, "bytes": self.store.nbytes, "max_bytes": self.store.max_bytes,
                       "max_jobs": self.store.max_entries, "ttl_s": self.store.ttl_s,
                       "failed_ttl_s": self.store.failed_ttl_s},
             "connections": {"open": len(self.connections), "max": self.max_connections},

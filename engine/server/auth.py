@@ -53,7 +53,7 @@ def load_or_create_token(path: Path) -> str:
         token = data.decode("ascii").strip()
     except UnicodeDecodeError:
         token = None
-    if token == "":
+    if token is not None and not token:
         raise SystemExit(f"The token file {path} is empty: delete it to get a new token, or write one into it.")
     if token is None or len(token) > MAX_TOKEN_CHARS or not _TOKEN.fullmatch(token):
         raise SystemExit(f"The token file {path} does not hold a token: it must be one word of at most "

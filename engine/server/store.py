@@ -132,6 +132,10 @@ class ResultStore:
     def __len__(self) -> int:
         return len(self._results) + len(self._failures)
 
+    @property
+    def results(self) -> int:
+        return len(self._results)
+
     def evict(self) -> None:
         now = time.time()
         while self._failures:

@@ -98,3 +98,21 @@ def test_limits_are_announced_in_status(engine):
     limits = asyncio.run(engine.client().status())["limits"]
     assert limits["max_canvas_pixels"] == 128 * 224 and limits["max_video_bytes"] == protocol.MAX_VIDEO_BYTES
     assert protocol.Limits.from_dict(limits).max_step_work == 20 * 8 * 362 * 128 * 224
+
+
+def test_a_stored_source_is_costed_from_its_frames_without_a_decode(recorder):
+    from engine.models.h3.pipeline import TINY_CANVAS
+    from engine.models.h3.request import Source
+    from engine.server.cost import check_cost, preset_limits
+
+    stored = Source(np.zeros((362, 128, 224, 3), np.uint8), 24.0, None, 32000)
+    limits = preset_limits(protocol.Limits(), "tiny")
+    with recorder.case("bombs", "stored_source_upscale"):
+        with pytest.raises(protocol.ProtocolError, match=r"from 224x128 at most x12\.09 fits"):
+            check_cost("upscale", {"resolution": "4K"}, {}, stored, limits, TINY_CANVAS)
+        check_cost("upscale", {"scale": 2.0}, {}, stored, limits, TINY_CANVAS)
+    with recorder.case("bombs", "stored_source_extend"):
+        small = protocol.Limits(max_video_bytes=2**30, max_step_work=limits.max_step_work)
+        with pytest.raises(protocol.ProtocolError, match=r"extended clip \(615\.1 s at 224x128\) would be 1\.18 GB"):
+            check_cost("extend", {"prompt": "x", "seconds": 600}, {}, stored, small, TINY_CANVAS)
+        check_cost("extend", {"prompt": "x", "seconds": 60}, {}, stored, small, TINY_CANVAS)

@@ -4,6 +4,7 @@ comes, a WebSocket that never says hello; and 300 half-open connections against 
 connection closed to make room), /v1/health keeps answering, the log stays small, and a normal job runs after."""
 
 import asyncio
+import logging
 import resource
 import socket
 import time
@@ -122,3 +123,25 @@ def test_300_half_open_connections_under_ulimit_256_leave_health_answering(low_f
         assert len(log.splitlines()) < 20 and "Traceback" not in log, log[-2000:]
         normal_job_succeeds(engine)
         assert serving(engine)
+
+
+def test_accept_errors_are_logged_once_a_second_with_a_count(recorder, caplog, monkeypatch):
+    from engine.server import cli
+
+    now = [100.0]
+    monkeypatch.setattr("time.monotonic", lambda: now[0])
+    handler, logger = cli.ThrottledExceptionLog(), logging.getLogger("h3forge")
+    monkeypatch.setattr(logger, "propagate", False)  # caplog's handler sees each record once
+    logger.addHandler(caplog.handler)
+    context = {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")}
+    with recorder.case("fd_exhaustion", "accept_error_flood"):
+        try:
+            for _ in range(10_000):  # what an exhausted listener reports in a tight loop
+                handler(None, context)
+            now[0] += 1.0
+            handler(None, context)
+        finally:
+            logger.removeHandler(caplog.handler)
+        lines = [r.fields for r in caplog.records if r.fields.get("event") == "loop.error"]
+        assert [line["repeats"] for line in lines] == [0, 9_999]
+        assert "Too many open files" in lines[0]["error"]
