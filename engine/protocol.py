@@ -50,6 +50,9 @@ MAX_FRAME_HEADER_BYTES = 4096
 # What a client accepts from an engine it authenticated: results are large (15 s at 1344x768 is 1.1 GB of uint8).
 # One WebSocket message holds at most 4 GiB (aiohttp's limit).
 MAX_RESULT_TENSOR_BYTES = 2**32 - 1
+# The largest video (uint8 frames) an engine decodes, resamples or makes for one job: one result frame's worth.
+MAX_VIDEO_BYTES = MAX_RESULT_TENSOR_BYTES
+MAX_SOURCE_SECONDS = 600.0  # a source clip, after its frame rate is applied
 
 IMAGE_TENSORS = ("first_frame", "last_frame")
 
@@ -71,6 +74,18 @@ class Limits:
     max_tensor_bytes: int = 256 * 2**20
     max_tensors: int = 8
     dtypes: tuple[str, ...] = ("uint8", "int32", "int64", "float16", "float32")
+    # per connection: messages (control and tensor frames) a second on average, in bursts of up to `message_burst`;
+    # replies waiting for a client that does not read them, before it is disconnected
+    max_messages_per_s: float = 50.0
+    message_burst: int = 200
+    max_pending_replies: int = 256
+    hello_timeout_s: float = 10.0
+    # the work one job may ask for, checked at submit from its parameters and its source's headers
+    max_video_bytes: int = MAX_VIDEO_BYTES  # uint8 frames decoded, resampled or made (frames x height x width x 3)
+    max_source_seconds: float = MAX_SOURCE_SECONDS
+    max_canvas_pixels: int = 768 * 1344  # H3 canvas of this engine's weights (the tiny preset's is smaller)
+    max_step_work: int = 1000 * 362 * 768 * 1344  # H3 steps x frames x canvas pixels of one window
+    max_upscale_pixels: int = 3840 * 2160  # SeedVR2 output pixels per frame
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -79,8 +94,9 @@ class Limits:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Limits":
-        return cls(max_control_bytes=int(d["max_control_bytes"]), max_tensor_bytes=int(d["max_tensor_bytes"]),
-                   max_tensors=int(d["max_tensors"]), dtypes=tuple(d["dtypes"]))
+        """An engine's announced limits; fields an older engine does not announce keep their defaults."""
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**{**known, "dtypes": tuple(d["dtypes"])})
 
 
 def default_token_file() -> Path:
@@ -230,6 +246,48 @@ SOURCE_TENSORS = ("source_mp4", "source_frames", "source_audio")
 
 def _invalid(message: str):
     raise ProtocolError("invalid_request", message)
+
+
+def shown(value: Any, limit: int = 40) -> str:
+    """`value` as an artist sees it in a message or a log line: repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+
+
+def job_id(value: Any) -> str:
+    """A job id from a cancel or attach; anything that is not one is an unknown job, echoed only in part."""
+    if not isinstance(value, str) or not _JOB_ID.match(value):
+        raise ProtocolError("unknown_job", f"{shown(value)} is not a job id (an engine's job ids are 32 hex "
+                                           f"characters, from its `accepted` reply).")
+    return value
+
+
+def flag_field(msg: dict, key: str) -> bool:
+    """A true/false field of a control message (absent or null: false); "false" or 0 is refused, not read as
+    true."""
+    value = msg.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ProtocolError("invalid_request", f"'{key}' must be true or false, got {shown(value)}.")
+    return value
+
+
+def _check_unicode(task: str, key: str, value: Any) -> None:
+    """Strings must be valid Unicode: JSON lets a lone UTF-16 surrogate (\\ud800) through, UTF-8 does not."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            _invalid(f"{task}: '{key}' holds an invalid character (a lone UTF-16 surrogate, "
+                     f"U+{ord(value[exc.start]):04X}, at position {exc.start}); remove it or paste the text again.")
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(task, key, item)
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            _check_unicode(task, key, k)
+            _check_unicode(task, key, item)
 
 
 def _number(task, key, value, lo, hi):
@@ -434,9 +492,13 @@ def validate_task(task: Any, params: Any, tensors: dict) -> dict:
     spec = TASK_SPECS[task]
     if not isinstance(params, dict):
         _invalid(f"{task}: 'params' must be an object.")
+    for key, value in params.items():
+        _check_unicode(task, "parameter name" if not isinstance(key, str) else key, key)
+        _check_unicode(task, key, value)
     unknown = sorted(set(params) - set(spec.params))
     if unknown:
-        _invalid(f"{task}: unknown parameter(s) {unknown}; {task} takes {sorted(spec.params)}.")
+        _invalid(f"{task}: unknown parameter(s) {[shown(k) for k in unknown[:8]]}; {task} takes "
+                 f"{sorted(spec.params)}.")
     checked = {key: spec.params[key](task, key, value) for key, value in params.items() if value is not None}
     extra = sorted(set(tensors) - set(spec.tensors))
     if extra:
@@ -489,9 +551,19 @@ def _check_frames(task: str, name: str, array) -> None:
 
 
 def _check_audio(task: str, array) -> None:
+    import numpy as np
+
     if array.dtype.name != "float32" or array.ndim != 2 or array.shape[0] not in (1, 2):
         _invalid(f"{task}: source_audio must be mono or stereo float32 samples [C, S]; got {array.dtype.name} "
                  f"{list(array.shape)}.")
+    if array.shape[1] == 0:
+        _invalid(f"{task}: source_audio has {array.shape[0]} channel(s) but no samples; send the sound's samples, "
+                 f"or leave source_audio out for a silent source.")
+    bad = ~np.isfinite(array)
+    if bad.any():
+        channel, sample = (int(i[0]) for i in np.nonzero(bad))
+        _invalid(f"{task}: source_audio has {int(bad.sum())} sample(s) that are NaN or infinite (the first in "
+                 f"channel {channel} at sample {sample}); samples must be finite numbers, normally -1 to 1.")
 
 
 def _check_mask(task: str, array) -> None:

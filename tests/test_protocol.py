@@ -155,3 +155,51 @@ def test_deflated_tensors_round_trip_and_inflate_no_further_than_declared():
     forged = protocol._PREFIX.pack(protocol.FRAME_MAGIC, len(small)) + small + bomb[protocol._PREFIX.size + header_len:]
     with pytest.raises(protocol.ProtocolError, match="inflates to more than"):
         protocol.decode_tensor(forged, protocol.Limits())
+
+
+def test_limits_from_an_older_engine_keep_the_defaults_of_what_it_does_not_announce():
+    old = {"max_control_bytes": 1024, "max_tensor_bytes": 4096, "max_tensors": 2, "dtypes": ["uint8"]}
+    limits = Limits.from_dict(old)
+    assert limits.max_tensors == 2 and limits.dtypes == ("uint8",)
+    assert limits.max_messages_per_s == Limits().max_messages_per_s
+    assert Limits.from_dict({**Limits().to_dict(), "unknown_future_field": 1}) == Limits()
+
+
+def test_job_ids_and_flags_are_checked_and_echoed_only_in_part():
+    assert protocol.job_id("0" * 32) == "0" * 32
+    for bad in ("f" * 100_000, "A" * 32, 7, None, ["x"]):
+        with pytest.raises(ProtocolError) as err:
+            protocol.job_id(bad)
+        assert err.value.code == "unknown_job" and len(err.value.message) < 160
+    assert protocol.flag_field({}, "mp4") is False and protocol.flag_field({"mp4": None}, "mp4") is False
+    assert protocol.flag_field({"mp4": True}, "mp4") is True
+    for bad in ("false", "true", 0, 1, []):
+        with pytest.raises(ProtocolError, match="'mp4' must be true or false"):
+            protocol.flag_field({"mp4": bad}, "mp4")
+
+
+@pytest.mark.parametrize("params", [
+    {"prompt": "a \ud800 b"},
+    {"prompt": "ok", "loras": [["dir/\udc00.safetensors", 1.0]]},
+    {"prompt": "ok", "\ud83d": 1},
+])
+def test_lone_surrogates_anywhere_in_params_are_refused(params):
+    with pytest.raises(ProtocolError, match="lone UTF-16 surrogate") as err:
+        protocol.validate_task("t2va", params, {})
+    assert err.value.code == "invalid_request"
+
+
+def test_valid_astral_characters_pass():
+    assert protocol.validate_task("t2va", {"prompt": "a cat \U0001F431 sings"}, {})["prompt"].endswith("sings")
+
+
+@pytest.mark.parametrize("audio, words", [
+    (np.zeros((2, 0), np.float32), "no samples"),
+    (np.full((1, 4), np.nan, np.float32), "4 sample(s) that are NaN or infinite (the first in channel 0 at sample 0)"),
+    (np.array([[0, 0], [0, -np.inf]], np.float32), "channel 1 at sample 1"),
+])
+def test_source_audio_without_samples_or_with_nan_is_refused_with_what_is_wrong(audio, words):
+    tensors = {"source_frames": np.zeros((24, 16, 16, 3), np.uint8), "source_audio": audio}
+    with pytest.raises(ProtocolError) as err:
+        protocol.validate_task("extend", {"prompt": "x", "seconds": 5, "source_sample_rate": 32000}, tensors)
+    assert words in err.value.message

@@ -299,14 +299,18 @@ def test_bad_input_gets_errors_and_the_engine_keeps_serving(engine):
             await ws.send_json({"type": "attach", "id": "a", "job": "nope"})
             await expect("unknown_job")
 
-            # Passes the protocol, fails the model's rules inside the job: an error for that job.
+            # The model's rules are checked at submit, before the job queues (engine.server.cost).
             await submit("t2va", {"prompt": "x", "seconds": 30, **SMALL})
+            assert "5 to 15 s" in (await expect("invalid_request"))["message"]
+
+            # Passes the protocol and the cost check, fails inside the job: an error for that job.
+            await submit("t2va", {"prompt": "x", "attention": "fa3", **SMALL})
             accepted = await next_control(ws)
             assert accepted["type"] == "accepted"
             while (reply := await next_control(ws))["type"] == "progress":
                 pass
             assert reply["type"] == "error" and reply["job"] == accepted["job"]
-            assert reply["code"] == "invalid_request" and "5 to 15 s" in reply["message"]
+            assert reply["code"] == "invalid_request" and "not available" in reply["message"]
 
             await ws.send_json({"type": "status", "id": "st"})  # the same connection still works
             reply = await next_control(ws)
@@ -383,3 +387,26 @@ def test_result_store_expires_and_caps_by_size(monkeypatch):
     assert [f.job for f in store.recent()] == ["big"]
     now += 200
     assert store.get("big") is None and len(store) == 0
+
+
+def test_result_store_caps_entries_expires_failures_early_and_lists_real_results(monkeypatch):
+    def finished(job, finished_at, state="done"):
+        frames = np.zeros((1, 1, 10, 1), np.uint8) if state == "done" else None
+        return FinishedJob(job, "t2va", {}, state, finished_at, finished_at, finished_at, frames=frames,
+                           error_code=None if state == "done" else state)
+
+    store = ResultStore(ttl_s=3600, max_bytes=10**6, max_entries=10, failed_ttl_s=60)
+    now = 1000.0
+    monkeypatch.setattr("engine.server.store.time.time", lambda: now)
+    store.add(finished("real", now))
+    for i in range(30):
+        store.add(finished(f"c{i}", now + i, "cancelled"))
+    assert len(store) == 10 and store.get("real") is not None  # the failures went first
+    assert store.nbytes == 10 and store.get("c0") is None and store.get("c29") is not None
+    recent = [f.job for f in store.recent(n=20, failures=5)]
+    assert "real" in recent and len(recent) == 6
+    now += 100  # past the failures' TTL, inside the results'
+    assert [f.job for f in store.recent()] == ["real"] and len(store) == 1
+    for i in range(12):
+        store.add(finished(f"r{i}", now + i))
+    assert len(store) == 10 and store.get("real") is None and store.nbytes == 100  # entries cap results too

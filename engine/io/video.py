@@ -8,6 +8,7 @@ import io
 import os
 import queue
 import threading
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
@@ -218,9 +219,39 @@ def encode_mp4_bytes(frames, fps=FPS, audio=None, sample_rate: int = SAMPLE_RATE
     return buffer.getvalue()
 
 
-def read_video(source, on_frames: Callable[[int, int], None] | None = None, every: int = 16
-               ) -> tuple[np.ndarray, Fraction, np.ndarray | None, int | None]:
-    """Decode a video file (path, bytes or binary file object) in one demux pass.
+@dataclass(frozen=True)
+class VideoInfo:
+    frames: int  # 0 when the container says neither a frame count nor a duration
+    fps: float
+    height: int
+    width: int
+
+
+def probe_video(source) -> VideoInfo:
+    """A video file's frame count, rate and size from its container header, without decoding a frame."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        source = io.BytesIO(source)
+    try:
+        with av.open(source, mode="r") as container:
+            if not container.streams.video:
+                raise ValueError("no video stream in the file")
+            video = container.streams.video[0]
+            rate = float(video.average_rate or video.guessed_rate or 0)
+            frames = video.frames
+            if not frames and rate:
+                if video.duration and video.time_base:
+                    frames = round(float(video.duration * video.time_base) * rate)
+                elif container.duration:
+                    frames = round(container.duration / av.time_base * rate)
+            return VideoInfo(int(frames), rate, int(video.codec_context.height), int(video.codec_context.width))
+    except (OSError, av.FFmpegError) as exc:
+        raise ValueError(str(exc)) from None
+
+
+def read_video(source, on_frames: Callable[[int, int], None] | None = None, every: int = 16,
+               max_bytes: int | None = None) -> tuple[np.ndarray, Fraction, np.ndarray | None, int | None]:
+    """Decode a video file (path, bytes or binary file object) in one demux pass; past `max_bytes` of decoded
+    frames it stops with a ValueError (a header may understate what the stream holds).
 
     Returns (uint8 frames [F, H, W, 3], fps, float32 audio [C, S] or None, audio sample rate or None).
     `on_frames(decoded, expected)` is called after every `every` video frames (`expected` from the stream's
@@ -228,6 +259,7 @@ def read_video(source, on_frames: Callable[[int, int], None] | None = None, ever
     """
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
+    decoded = 0
     with av.open(source, mode="r") as container:
         video = container.streams.video[0] if container.streams.video else None
         if video is None:
@@ -240,6 +272,10 @@ def read_video(source, on_frames: Callable[[int, int], None] | None = None, ever
         for packet in container.demux(streams):
             for frame in packet.decode():
                 if packet.stream.type == "video":
+                    decoded += frame.width * frame.height * 3
+                    if max_bytes is not None and decoded > max_bytes:
+                        raise ValueError(f"its frames decode to more than {max_bytes / 2**30:.2f} GB, the most this "
+                                         f"engine decodes; send a shorter or smaller video")
                     frames.append(frame.to_ndarray(format="rgb24"))
                     if on_frames is not None and len(frames) % every == 0:
                         on_frames(len(frames), max(video.frames, len(frames)))

@@ -29,6 +29,7 @@ from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, Gen
 from engine.models.phases import Phase, PhaseEvent
 from engine.kernels import attention
 from engine.parallel import ulysses
+from engine import protocol
 from engine.protocol import ProtocolError, mask_mismatch
 from engine.runtime.agreement import PeerFailed, StepAgreement
 from engine.runtime.log import log_event
@@ -163,7 +164,8 @@ def decode_source(data: np.ndarray, on_step=None) -> Source:
     if on_step is not None:
         on_step(PhaseEvent("reading source", 0, 0, "decoding the video file"))
     try:
-        frames, fps, audio, rate = read_video(data.tobytes(), on_frames if on_step is not None else None)
+        frames, fps, audio, rate = read_video(data.tobytes(), on_frames if on_step is not None else None,
+                                              max_bytes=protocol.MAX_VIDEO_BYTES)
     except (ValueError, OSError, av.FFmpegError) as exc:
         raise LayoutError(f"The source video could not be decoded ({exc}). Send a video file (MP4, MOV, WebM) "
                           f"with a video stream.") from None

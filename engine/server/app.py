@@ -14,6 +14,7 @@ from aiohttp import web
 
 from engine import protocol
 from engine.runtime.jobs import ModelSource
+from engine.models.h3.pipeline import Canvas
 from engine.runtime.ranks import RankContext
 from engine.server.auth import request_token, token_matches
 from engine.server.connection import Connection
@@ -36,7 +37,10 @@ class EngineService:
     limits: protocol.Limits
     scheduler: Scheduler
     store: ResultStore
+    canvas: Canvas
     started_at: float = field(default_factory=time.time)
+    connections: set = field(default_factory=set)  # open WebSocket Connections (closed with a reason on shutdown)
+    max_connections: int | None = None  # TCP connections at once (engine.server.guard), announced in status
 
     def engine_info(self) -> dict:
         return {"state": self.scheduler.state, "source": self.source.describe(), "device": str(self.ctx.device),
@@ -54,8 +58,10 @@ class EngineService:
             "running": running.status(0) if running is not None else None,
             "queue": [job.status(scheduler.position(job)) for job in scheduler.queue],
             "recent": [finished.summary() for finished in self.store.recent()],
-            "store": {"jobs": len(self.store), "bytes": self.store.nbytes,
-                      "max_bytes": self.store.max_bytes, "ttl_s": self.store.ttl_s},
+            "store": {"jobs": len(self.store), "results": self.store.results, "bytes": self.store.nbytes, "max_bytes": self.store.max_bytes,
+                      "max_jobs": self.store.max_entries, "ttl_s": self.store.ttl_s,
+                      "failed_ttl_s": self.store.failed_ttl_s},
+            "connections": {"open": len(self.connections), "max": self.max_connections},
             "counters": dict(scheduler.counters),
             "limits": self.limits.to_dict(),
         }
@@ -74,6 +80,8 @@ def gpu_memory(device: torch.device) -> dict | None:
 
 @web.middleware
 async def require_token(request: web.Request, handler):
+    if (guard := request.app.get("guard")) is not None:
+        guard.saw_request(request)
     if request.path in OPEN_ROUTES or token_matches(request_token(request), request.app["service"].token):
         return await handler(request)
     if request.path == "/":
@@ -104,9 +112,10 @@ async def result_mp4(request: web.Request) -> web.StreamResponse:
     job = request.match_info["job"]
     finished = service.store.get(job) if _JOB_ID.match(job) else None
     if finished is None or finished.state != "done":
-        raise web.HTTPNotFound(text=f"No finished result for job {job} (results are kept "
+        raise web.HTTPNotFound(text=f"No finished result for job {protocol.shown(job)} (results are kept "
                                     f"{service.store.ttl_s / 60:g} minutes).")
     data = await finished.mp4()
+    service.store.kept_mp4(finished)
     headers = {"Accept-Ranges": "bytes", "Cache-Control": "private, max-age=3600"}
     start, end = _byte_range(request.headers.get("Range"), len(data))
     if (start, end) == (0, len(data)):
@@ -116,17 +125,31 @@ async def result_mp4(request: web.Request) -> web.StreamResponse:
 
 
 def _byte_range(header: str | None, size: int) -> tuple[int, int]:
-    """[start, end) of a single `bytes=a-b` range (what <video> asks for); the whole body otherwise."""
-    m = re.fullmatch(r"bytes=(\d*)-(\d*)", header or "")
+    """[start, end) of a single `bytes=a-b` range (what <video> asks for), by RFC 9110 14.1: a last position past
+    the end means the end, a range that starts past the end or a suffix of 0 bytes is unsatisfiable (416); a header
+    that is not one such range is ignored (the whole body)."""
+    m = re.fullmatch(r"\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*", header or "", re.IGNORECASE)
     if m is None or (not m.group(1) and not m.group(2)):
         return 0, size
-    if not m.group(1):
-        return max(0, size - int(m.group(2))), size
-    start = int(m.group(1))
-    end = min(size, int(m.group(2)) + 1) if m.group(2) else size
-    if start >= end:
+    first, last = (_position(g, size) for g in m.groups())
+    if not m.group(1):  # the last `last` bytes
+        start, end = max(0, size - last), size
+        satisfiable = last > 0
+    else:
+        start, end = first, min(size, last + 1) if m.group(2) else size
+        if m.group(2) and last < first:
+            return 0, size  # an invalid range: ignored
+        satisfiable = start < size
+    if not satisfiable or start >= end:
         raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
     return start, end
+
+
+def _position(digits: str, size: int) -> int:
+    """A byte position of a Range header; one of more digits than the body's size has stands for 'past the end'
+    (Python would refuse to parse thousands of digits)."""
+    digits = digits.lstrip("0") or ("0" if digits else "")
+    return int(digits) if digits and len(digits) <= len(str(size)) else (size + 1 if digits else 0)
 
 
 async def websocket(request: web.Request) -> web.WebSocketResponse:
@@ -134,7 +157,7 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(max_msg_size=service.limits.max_tensor_bytes + TRANSPORT_SLACK_BYTES, heartbeat=30)
     await ws.prepare(request)
     authorized = token_matches(request_token(request), service.token)
-    await Connection(ws, service, authorized, peer=request.remote or "?").serve()
+    await Connection(ws, service, authorized, peer=request.remote or "?", transport=request.transport).serve()
     return ws
 
 

@@ -46,6 +46,13 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tensor-mb", type=float, default=256, help="largest input tensor a client may send")
     p.add_argument("--result-ttl-min", type=float, default=60, help="how long finished results are kept")
     p.add_argument("--result-cache-gb", type=float, default=4, help="memory for kept results; oldest go first")
+    p.add_argument("--max-results", type=int, default=1000, help="results (and failed jobs) kept at most")
+    p.add_argument("--failed-ttl-min", type=float, default=5,
+                   help="how long failed and cancelled jobs are kept (for a client that reattaches)")
+    p.add_argument("--client-timeout-s", type=float, default=10,
+                   help="time a client has for its HTTP request headers and for its WebSocket hello")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="TCP connections at once (fewer when the file-descriptor limit, ulimit -n, is low)")
     p.add_argument("--memory-cap-gb", type=float, default=_env_float("H3FORGE_MEMORY_CAP_GB"),
                    help="refuse (as out of memory) a generation whose estimated working memory is over this, before "
                         "it runs (default: $H3FORGE_MEMORY_CAP_GB, else no cap)")
@@ -77,6 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     ctx = init_ranks(args.device)
     setup_logging(ctx.rank, args.log_level, args.log_file)
+    signal.signal(signal.SIGHUP, lambda *_: ignore_hangup())  # a closed terminal must not end a serving engine
     if not 0 <= args.vsa_sparsity < 1:
         raise SystemExit("--vsa-sparsity must be at least 0 and below 1 (e.g. 0.875).")
     options = dict(attention=None if args.attention == "auto" else args.attention, vsa_sparsity=args.vsa_sparsity)
@@ -113,25 +121,35 @@ def is_loopback(host: str) -> bool:
 
 
 async def serve(args: argparse.Namespace, ctx, source) -> int:
-    from aiohttp import web
+    from aiohttp import WSCloseCode, web
 
     from engine.runtime.jobs import JobRunner, load_pipeline
     from engine.runtime.log import log_event
     from engine.server.app import EngineService, make_app
     from engine.server.auth import load_or_create_token
+    from engine.server.cost import preset_canvas, preset_limits
+    from engine.server.guard import ACCEPT_BACKLOG, BODY_TIMEOUT_S, ConnectionGuard, connection_cap
     from engine.server.scheduler import Scheduler
     from engine.server.store import ResultStore
 
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(ThrottledExceptionLog())
     token_file = (args.token_file or protocol.default_token_file()).expanduser()
-    store = ResultStore(ttl_s=args.result_ttl_min * 60, max_bytes=int(args.result_cache_gb * 2**30))
+    store = ResultStore(ttl_s=args.result_ttl_min * 60, max_bytes=int(args.result_cache_gb * 2**30),
+                        max_entries=args.max_results, failed_ttl_s=args.failed_ttl_min * 60)
     scheduler = Scheduler(lambda: JobRunner(ctx, load_pipeline(source, ctx), source), store, max_queue=args.max_queue,
                           memory_cap_bytes=None if args.memory_cap_gb is None else int(args.memory_cap_gb * 2**30))
-    service = EngineService(ctx, source, load_or_create_token(token_file),
-                            protocol.Limits(max_tensor_bytes=int(args.max_tensor_mb * 2**20)), scheduler, store)
-    runner = web.AppRunner(make_app(service), access_log=None, handle_signals=False)
+    limits = preset_limits(protocol.Limits(max_tensor_bytes=int(args.max_tensor_mb * 2**20),
+                                           hello_timeout_s=args.client_timeout_s), source.preset)
+    service = EngineService(ctx, source, load_or_create_token(token_file), limits, scheduler, store,
+                            preset_canvas(source.preset), max_connections=connection_cap(args.max_connections))
+    app = make_app(service)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=args.client_timeout_s,
+                           lingering_time=BODY_TIMEOUT_S, shutdown_timeout=1.0)
     await runner.setup()
+    app["guard"] = guard = ConnectionGuard(runner.server, service.max_connections)
     try:
-        await web.TCPSite(runner, args.host, args.port).start()
+        listener = await loop.create_server(guard, args.host, args.port, backlog=ACCEPT_BACKLOG)
     except OSError as exc:
         await runner.cleanup()
         raise SystemExit(f"H3Forge engine: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}). "
@@ -142,23 +160,90 @@ async def serve(args: argparse.Namespace, ctx, source) -> int:
             f"token can run jobs. Keep the token file secret; use a firewall or a TLS proxy on untrusted networks."))
     shown = "localhost" if args.host in ("0.0.0.0", "::") else args.host
     log_event("engine.listening", url=f"ws://{shown}:{args.port}/v1/ws", token_file=str(token_file),
-              source=source.describe(), device=str(ctx.device), ranks=ctx.world_size)
+              source=source.describe(), device=str(ctx.device), ranks=ctx.world_size,
+              max_connections=service.max_connections)
     print(f"H3Forge engine dashboard: http://{shown}:{args.port}/?token={service.token}", file=sys.stderr, flush=True)
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        log_event("engine.signal", signal=sig.name, action="shutting down" if not stop.is_set() else "already")
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGHUP, ignore_hangup)
     work = asyncio.create_task(scheduler.run())
     stopping = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if work.done() and work.exception() is not None:
             raise SystemExit(f"H3Forge engine: could not load the models ({work.exception()}).")
-        log_event("engine.stopping")
         return 0
     finally:
-        await scheduler.close()
+        exit_deadline(SHUTDOWN_S)
+        log_event("engine.stopping", deadline_s=SHUTDOWN_S)
+        listener.close()  # no new connections
+        closing = asyncio.create_task(scheduler.close())  # the running job stops at its next boundary
+        await asyncio.wait({closing}, timeout=SHUTDOWN_S - 3)  # its clients get "the engine is shutting down"
+        connections = list(service.connections)
+        await asyncio.gather(*(c.flush(0.5) for c in connections))
+        await asyncio.gather(*(c.close(WSCloseCode.GOING_AWAY, "shutting_down", "the engine is shutting down")
+                               for c in connections))
         work.cancel()
         stopping.cancel()
         await runner.cleanup()
+        log_event("engine.stopped", clients_closed=len(connections), job_ended=closing.done())
+        if not closing.done():  # a job that would not stop at a boundary in time: nothing is left to wait for
+            logging.shutdown()
+            os._exit(0)
+
+
+def ignore_hangup() -> None:
+    from engine.runtime.log import log_event
+
+    log_event("engine.signal", signal="SIGHUP", action="ignored (stop the engine with SIGTERM or Ctrl-C)")
+
+
+SHUTDOWN_S = 9.0  # SIGTERM to exit, whatever the clients and the running job do
+
+
+def exit_deadline(seconds: float) -> None:
+    """Ends the process `seconds` from now if the shutdown has not finished by then."""
+    import threading
+
+    def expire():
+        from engine.runtime.log import log_event
+
+        log_event("engine.exit_forced", logging.ERROR, after_s=seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+
+
+class ThrottledExceptionLog:
+    """The event loop's exception handler: errors it cannot hand to any task (e.g. `accept()` out of file
+    descriptors) are logged once a second at most per kind, with how many there were meanwhile."""
+
+    def __init__(self, interval_s: float = 1.0):
+        self.interval_s = interval_s
+        self.last: dict[str, float] = {}
+        self.suppressed: dict[str, int] = {}
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        import time
+
+        from engine.runtime.log import log_event
+
+        message = str(context.get("message", "unhandled error"))
+        now = time.monotonic()
+        if now - self.last.get(message, -self.interval_s) < self.interval_s:
+            self.suppressed[message] = self.suppressed.get(message, 0) + 1
+            return
+        self.last[message] = now
+        exc = context.get("exception")
+        log_event("loop.error", logging.ERROR, message=message, error=f"{type(exc).__name__}: {exc}" if exc else None,
+                  repeats=self.suppressed.pop(message, 0))

@@ -2,13 +2,17 @@
 and an outbox drained by one writer task so a message and its binary frames always go out together.
 
 Bad input never ends the engine: a malformed message, an oversized frame or a bad tensor gets an `error` and
-the connection stays usable; only a failed handshake closes it.
+the connection stays usable. A failed handshake closes it, and so does a client that sends more messages a second
+than the engine's limits allow or lets more replies pile up than it may (it does not read them): each with a close
+frame giving the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import struct
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,10 +23,11 @@ from engine.protocol import ProtocolError
 from engine.runtime.jobs import JobSpec
 from engine.runtime.log import log_event
 from engine.server.auth import token_matches
+from engine.server.cost import check_cost
 from engine.server.store import FinishedJob
 
-HELLO_TIMEOUT_S = 10.0
 ENCODE_OFF_LOOP_BYTES = 1 << 20  # bigger tensors are encoded on a worker thread
+CLOSE_TIMEOUT_S = 1.0  # for the close handshake of a connection the engine ends; then the socket is dropped
 
 
 @dataclass
@@ -36,37 +41,96 @@ class PendingSubmit:
     received: int = 0
 
 
+class RateLimit:
+    """A token bucket: `rate` messages a second on average, bursts of up to `burst`."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self.allowance, self.last = float(burst), time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.allowance = min(self.burst, self.allowance + (now - self.last) * self.rate)
+        self.last = now
+        if self.allowance < 1:
+            return False
+        self.allowance -= 1
+        return True
+
+
 class Connection:
-    def __init__(self, ws: web.WebSocketResponse, service, authorized: bool, peer: str):
-        self.ws, self.service, self.peer = ws, service, peer
+    def __init__(self, ws: web.WebSocketResponse, service, authorized: bool, peer: str,
+                 transport: asyncio.Transport | None = None):
+        self.ws, self.service, self.peer, self.transport = ws, service, peer, transport
         self.authorized = authorized  # the upgrade request already carried the token
-        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.outbox: asyncio.Queue = asyncio.Queue()  # bounded by limits.max_pending_replies (see _queue)
         self.pending: PendingSubmit | None = None
         self.discard = 0  # tensor frames of a rejected submit still to skip
+        limits = service.limits
+        self.rate = RateLimit(limits.max_messages_per_s, limits.message_burst)
+        self.closing: asyncio.Task | None = None
+        self.sending = False  # the writer holds a message taken from the outbox
 
     # ---- Subscriber ------------------------------------------------------------------------------------------
     def send(self, msg: dict, tensors: list[tuple[str, np.ndarray]] = ()) -> None:
-        if not self.ws.closed:
-            self.outbox.put_nowait((msg, list(tensors)))
+        self._queue((msg, list(tensors)))
 
     def deliver(self, finished: FinishedJob, mp4: bool) -> None:
-        if self.ws.closed:
-            return
         if finished.state == "done":
-            self.outbox.put_nowait((finished, mp4))
+            self._queue((finished, mp4))
         else:
             self.send(error_message(finished.error_code, finished.error_message, job=finished.job))
+
+    def _queue(self, item) -> None:
+        if self.ws.closed or self.closing is not None:
+            return
+        limit = self.service.limits.max_pending_replies
+        if self.outbox.qsize() >= limit:
+            self.close(WSCloseCode.POLICY_VIOLATION, "slow_reader", f"the client left {limit} replies unread")
+            return
+        self.outbox.put_nowait(item)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def serve(self) -> None:
         if not await self._handshake():
             return
+        self.service.connections.add(self)
         writer = asyncio.create_task(self._write_loop())
         try:
             await self._read_loop()
         finally:
+            self.service.connections.discard(self)
             self.service.scheduler.unsubscribe(self)
             writer.cancel()
+            if self.closing is not None:
+                await asyncio.shield(self.closing)
+
+    def close(self, code: int, reason: str, detail: str) -> asyncio.Task:
+        """Ends this connection with a close frame carrying `reason` (a short code for the client to show); a
+        client that does not take the close frame within CLOSE_TIMEOUT_S loses its socket."""
+        if self.closing is None:
+            log_event("connection.closing", logging.WARNING if code != WSCloseCode.GOING_AWAY else logging.INFO,
+                      peer=self.peer, reason=reason, detail=detail)
+            self.closing = asyncio.create_task(self._close(code, reason))
+        return self.closing
+
+    async def _close(self, code: int, reason: str) -> None:
+        try:
+            if code == WSCloseCode.POLICY_VIOLATION:  # a flood or a client not reading: no close handshake to wait for
+                frame = struct.pack("!H", code) + reason.encode()
+                await asyncio.wait_for(self.ws.send_frame(frame, WSMsgType.CLOSE), CLOSE_TIMEOUT_S)
+            else:
+                await asyncio.wait_for(self.ws.close(code=code, message=reason.encode()), CLOSE_TIMEOUT_S)
+        except (asyncio.TimeoutError, ConnectionError, RuntimeError):
+            pass
+        if self.transport is not None:
+            self.transport.abort()
+
+    async def flush(self, timeout: float) -> None:
+        """Waits up to `timeout` s for the replies already queued to go out."""
+        deadline = time.monotonic() + timeout
+        while (self.outbox.qsize() or self.sending) and time.monotonic() < deadline and not self.ws.closed:
+            await asyncio.sleep(0.02)
 
     async def _refuse(self, code: str, message: str) -> bool:
         log_event("connection.refused", logging.WARNING, peer=self.peer, code=code)
@@ -78,10 +142,11 @@ class Connection:
         return False
 
     async def _handshake(self) -> bool:
+        timeout = self.service.limits.hello_timeout_s
         try:
-            first = await self.ws.receive(timeout=HELLO_TIMEOUT_S)
+            first = await self.ws.receive(timeout=timeout)
         except asyncio.TimeoutError:
-            return await self._refuse("bad_message", f"No hello within {HELLO_TIMEOUT_S:g} s.")
+            return await self._refuse("bad_message", f"No hello within {timeout:g} s.")
         if first.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
             return False
         if first.type != WSMsgType.TEXT:
@@ -106,6 +171,13 @@ class Connection:
 
     async def _read_loop(self) -> None:
         async for message in self.ws:
+            if self.closing is not None:
+                break  # what the client still sends is not even read
+            if message.type in (WSMsgType.TEXT, WSMsgType.BINARY) and not self.rate.take():
+                limits = self.service.limits
+                self.close(WSCloseCode.POLICY_VIOLATION, "rate_limit", (
+                    f"more than {limits.max_messages_per_s:g} messages a second (bursts of {limits.message_burst})"))
+                continue
             if message.type == WSMsgType.TEXT:
                 if self.pending is not None:
                     self._reply_error(self.pending.msg, ProtocolError("bad_message", (
@@ -118,14 +190,18 @@ class Connection:
                 self._on_tensor(message.data)
             elif message.type == WSMsgType.ERROR:
                 log_event("connection.error", logging.WARNING, peer=self.peer, error=str(self.ws.exception()))
+            await asyncio.sleep(0)  # messages already buffered would otherwise be handled without a pause for others
         log_event("connection.closed", peer=self.peer, code=self.ws.close_code)
 
     async def _write_loop(self) -> None:
         try:
             while True:
                 item, extra = await self.outbox.get()
+                self.sending = True
                 if isinstance(item, FinishedJob):
                     msg, tensors = await result_message(item, extra)
+                    if extra:
+                        self.service.store.kept_mp4(item)
                 else:
                     msg, tensors = item, extra
                 await self.ws.send_str(protocol.encode_control(msg))
@@ -135,6 +211,7 @@ class Connection:
                     else:
                         data = protocol.encode_tensor(name, array)
                     await self.ws.send_bytes(data)
+                self.sending = False
         except (ConnectionError, RuntimeError) as exc:  # the client went away mid-send
             log_event("connection.send_failed", logging.WARNING, peer=self.peer, error=str(exc))
             await self.ws.close()
@@ -205,14 +282,16 @@ class Connection:
         try:
             if pending.error is not None:
                 raise pending.error
+            mp4 = protocol.flag_field(msg, "mp4")
             params = protocol.validate_task(msg.get("task"), msg.get("params", {}), pending.tensors)
             if params.get("loras") and self.service.source.models_dir is None:
                 raise ProtocolError("invalid_request", "This engine runs a preset and has no models folder, so it "
                                                        "takes no LoRA files: start it with --models DIR (LoRA paths "
                                                        "are read inside that folder only).")
             source = self.service.store.source(params["source_job"]) if "source_job" in params else None
+            check_cost(msg["task"], params, pending.tensors, source, self.service.limits, self.service.canvas)
             spec = JobSpec(self.service.scheduler.new_job_id(), msg["task"], params, pending.tensors, source,
-                           mp4=bool(msg.get("mp4")))
+                           mp4=mp4)
             job, position = self.service.scheduler.submit(spec, self, spec.mp4)
         except ProtocolError as exc:
             log_event("request.rejected", logging.WARNING, peer=self.peer, type="submit", code=exc.code,
@@ -227,14 +306,16 @@ class Connection:
         self.send({"type": "accepted", "id": msg.get("id"), "job": job.id, "position": position})
 
     def _on_cancel(self, msg: dict) -> None:
-        if not self.service.scheduler.cancel(str(msg.get("job"))):
-            raise ProtocolError("unknown_job", f"No job {msg.get('job')!r} on this engine.")
+        job_id = protocol.job_id(msg.get("job"))
+        if not self.service.scheduler.cancel(job_id):
+            raise ProtocolError("unknown_job", f"No job {job_id} on this engine.")
 
     def _on_attach(self, msg: dict) -> None:
-        job_id, scheduler = str(msg.get("job")), self.service.scheduler
+        job_id, scheduler = protocol.job_id(msg.get("job")), self.service.scheduler
+        mp4 = protocol.flag_field(msg, "mp4")
         job = scheduler.active(job_id)
         if job is not None:
-            job.subscribers[self] = bool(msg.get("mp4"))
+            job.subscribers[self] = mp4
             self.send({"type": "accepted", "id": msg.get("id"), "job": job.id, "position": scheduler.position(job)})
             if job.last_progress is not None:
                 progress, preview = job.last_progress
@@ -245,7 +326,7 @@ class Connection:
             raise ProtocolError("unknown_job", (
                 f"No job {job_id!r} on this engine: it never ran here, or its result expired (results are kept "
                 f"{self.service.store.ttl_s / 60:g} minutes)."))
-        self.deliver(finished, bool(msg.get("mp4")))
+        self.deliver(finished, mp4)
 
 
 def error_message(code: str, message: str, **fields) -> dict:

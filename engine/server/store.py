@@ -1,7 +1,9 @@
 """Finished jobs, kept for a while so a client can `attach` after a reconnect, the dashboard can play them,
 and later tasks (extend, upscale) can start from a job's latents without a decode/encode round trip.
 
-Entries expire after a time-to-live; past the byte cap the oldest go first (the newest always stays).
+Results expire after a time-to-live, failed and cancelled jobs (kept so an `attach` learns why) after a few minutes;
+past the byte cap or the entry cap the oldest go first (the newest result always stays). The totals are kept as
+entries come and go, so /v1/status never walks the store.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from itertools import islice
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,17 +80,36 @@ class FinishedJob:
 
 
 class ResultStore:
-    def __init__(self, ttl_s: float = 3600.0, max_bytes: int = 4 * 2**30):
-        self.ttl_s, self.max_bytes = ttl_s, max_bytes
-        self._jobs: OrderedDict[str, FinishedJob] = OrderedDict()
+    def __init__(self, ttl_s: float = 3600.0, max_bytes: int = 4 * 2**30, max_entries: int = 1000,
+                 failed_ttl_s: float = 300.0):
+        self.ttl_s, self.max_bytes, self.max_entries = ttl_s, max_bytes, max_entries
+        self.failed_ttl_s = min(failed_ttl_s, ttl_s)
+        self._results: OrderedDict[str, FinishedJob] = OrderedDict()  # state "done", oldest first
+        self._failures: OrderedDict[str, FinishedJob] = OrderedDict()  # "failed" | "cancelled", oldest first
+        self._bytes: dict[str, int] = {}  # of each result, counted when it is added (and when its MP4 is kept)
+        self.nbytes = 0
 
     def add(self, finished: FinishedJob) -> None:
-        self._jobs[finished.job] = finished
+        if finished.state == "done":
+            self._results[finished.job] = finished
+            self._count(finished)
+        else:
+            self._failures[finished.job] = finished
         self.evict()
+
+    def _count(self, finished: FinishedJob) -> None:
+        self.nbytes += finished.nbytes - self._bytes.get(finished.job, 0)
+        self._bytes[finished.job] = finished.nbytes
+
+    def kept_mp4(self, finished: FinishedJob) -> None:
+        """A result's MP4 was encoded on first use: count its bytes too."""
+        if finished.job in self._results:
+            self._count(finished)
+            self.evict()
 
     def get(self, job: str) -> FinishedJob | None:
         self.evict()
-        return self._jobs.get(job)
+        return self._results.get(job) or self._failures.get(job)
 
     def source(self, job: str) -> Source:
         """A finished job's result as the source of a later task: frames, sound and latents, no decode/encode."""
@@ -100,23 +122,34 @@ class ResultStore:
         return Source(finished.frames, finished.fps, finished.audio, finished.sample_rate,
                       finished.video_latents, finished.audio_latents)
 
-    def recent(self, n: int = 20) -> list[FinishedJob]:
+    def recent(self, n: int = 20, failures: int = 5) -> list[FinishedJob]:
+        """The newest results, and a few of the newest failures: a flood of cancelled jobs cannot push the real
+        results off the dashboard."""
         self.evict()
-        return list(reversed(self._jobs.values()))[:n]
+        rows = [*islice(reversed(self._results.values()), n), *islice(reversed(self._failures.values()), failures)]
+        return sorted(rows, key=lambda f: f.finished_at, reverse=True)
 
     def __len__(self) -> int:
-        return len(self._jobs)
+        return len(self._results) + len(self._failures)
 
     @property
-    def nbytes(self) -> int:
-        return sum(f.nbytes for f in self._jobs.values())
+    def results(self) -> int:
+        return len(self._results)
 
     def evict(self) -> None:
         now = time.time()
-        while self._jobs:
-            oldest = next(iter(self._jobs.values()))
+        while self._failures:
+            oldest = next(iter(self._failures.values()))
+            expired = now - oldest.finished_at > self.failed_ttl_s
+            if not expired and len(self) <= self.max_entries:
+                break
+            self._failures.popitem(last=False)
+        while self._results:
+            oldest = next(iter(self._results.values()))
             expired = now - oldest.finished_at > self.ttl_s
-            if not expired and (len(self._jobs) == 1 or self.nbytes <= self.max_bytes):
+            if not expired and (len(self._results) == 1 or (self.nbytes <= self.max_bytes
+                                                            and len(self) <= self.max_entries)):
                 return
-            self._jobs.popitem(last=False)
+            self._results.popitem(last=False)
+            self.nbytes -= self._bytes.pop(oldest.job)
             log_event("result.evicted", job=oldest.job, reason="expired" if expired else "size cap")

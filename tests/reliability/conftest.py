@@ -1,7 +1,8 @@
 """Reliability and security suites against real engine processes (tests/engine_fixture.py). Every test records what
-it tried in the session's `recorder`; `pytest tests/reliability` ends with the table of cases tried, cases the engine
-(and the client or node) survived, and results lost (jobs that did not end with exactly one result or error at the
-client that asked, which must stay 0)."""
+it tried in the session's `recorder`; `pytest tests/reliability` ends with the table of fault kinds and cases tried,
+cases the engine (and the client or node) survived, results lost (jobs that did not end with exactly one result or
+error at the client that asked, which must stay 0), and, for cases that name their engine, the engine's peak RSS
+(VmHWM) and its open file descriptors after the case (the most over the suite's cases)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from .helpers import open_fds, peak_rss_bytes
+
 
 @dataclass
 class Tally:
     tried: int = 0
     survived: int = 0
     lost: int = 0
+    kinds: set[str] = field(default_factory=set)
+    peak_rss: int = 0  # bytes
+    fds_after: int = 0
 
 
 @dataclass
@@ -24,12 +30,22 @@ class Recorder:
     notes: list[str] = field(default_factory=list)
 
     @contextlib.contextmanager
-    def case(self, suite: str):
-        """One case of `suite`: tried on entry, survived when the block ends without an exception."""
+    def case(self, suite: str, kind: str | None = None, engine=None):
+        """One case of `suite` (of fault `kind`, default the suite's name): tried on entry, survived when the block
+        ends without an exception; with `engine` (a RunningEngine) its peak RSS and open descriptors are read
+        after the block."""
         tally = self.tallies.setdefault(suite, Tally())
         tally.tried += 1
+        tally.kinds.add(kind or suite)
         yield
         tally.survived += 1
+        if engine is not None and engine.process.poll() is None:
+            self.measured(suite, engine.process.pid)
+
+    def measured(self, suite: str, pid: int) -> None:
+        tally = self.tallies.setdefault(suite, Tally())
+        tally.peak_rss = max(tally.peak_rss, peak_rss_bytes(pid))
+        tally.fds_after = max(tally.fds_after, open_fds(pid))
 
     def lost(self, suite: str, count: int) -> None:
         self.tallies.setdefault(suite, Tally()).lost += count
@@ -56,12 +72,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     write = terminalreporter.write_line
     terminalreporter.write_sep("=", "reliability summary")
-    write(f"{'suite':<12}{'cases tried':>14}{'survived':>12}{'results lost':>15}")
+    def row(name, tally, kinds):
+        rss = f"{tally.peak_rss / 2**20:.0f} MB" if tally.peak_rss else "-"
+        fds = str(tally.fds_after) if tally.fds_after else "-"
+        write(f"{name:<14}{kinds:>7}{tally.tried:>13}{tally.survived:>10}{tally.lost:>14}{rss:>18}{fds:>11}")
+
+    write(f"{'suite':<14}{'kinds':>7}{'cases tried':>13}{'survived':>10}{'results lost':>14}{'peak engine RSS':>18}"
+          f"{'fds after':>11}")
     total = Tally()
     for suite, tally in recorder.tallies.items():
-        write(f"{suite:<12}{tally.tried:>14}{tally.survived:>12}{tally.lost:>15}")
+        row(suite, tally, len(tally.kinds))
         total.tried, total.survived, total.lost = (total.tried + tally.tried, total.survived + tally.survived,
                                                    total.lost + tally.lost)
-    write(f"{'total':<12}{total.tried:>14}{total.survived:>12}{total.lost:>15}")
+        total.peak_rss, total.fds_after = max(total.peak_rss, tally.peak_rss), max(total.fds_after, tally.fds_after)
+    row("total", total, sum(len(t.kinds) for t in recorder.tallies.values()))
     for line in recorder.notes:
         write(line)

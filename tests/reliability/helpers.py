@@ -158,7 +158,49 @@ def rank_pids(agent_pid: int) -> dict[int, int]:
     return ranks
 
 
-def rss_bytes(pid: int) -> int:
+def _status_bytes(pid: int, key: str) -> int:
     with open(f"/proc/{pid}/status") as f:
-        line = next(line for line in f if line.startswith("VmRSS:"))
+        line = next(line for line in f if line.startswith(key))
     return int(line.split()[1]) * 1024
+
+
+def rss_bytes(pid: int) -> int:
+    return _status_bytes(pid, "VmRSS:")
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's RSS high-water mark (VmHWM)."""
+    return _status_bytes(pid, "VmHWM:")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+NORMAL_JOB = {"prompt": "a normal job after the fault", "steps": 2, "width": 32, "height": 32}
+
+
+def normal_job_succeeds(engine) -> None:
+    """A small t2va job on `engine` ends with its result."""
+    import asyncio
+
+    result = asyncio.run(asyncio.wait_for(engine.client().run("t2va", NORMAL_JOB), 120))
+    assert result.frames.shape == (124, 32, 32, 3), result.frames.shape
+
+
+class Footprint:
+    """The engine's RSS and open descriptors around a case: `with Footprint(engine) as f: ...`, then f.growth
+    (bytes of RSS added) and f.fds_after."""
+
+    def __init__(self, engine):
+        self.pid = engine.process.pid
+
+    def __enter__(self):
+        self.rss_before, self.fds_before = rss_bytes(self.pid), open_fds(self.pid)
+        self.started = time.monotonic()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.monotonic() - self.started
+        self.growth = rss_bytes(self.pid) - self.rss_before
+        self.fds_after = open_fds(self.pid)

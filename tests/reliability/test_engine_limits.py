@@ -4,7 +4,8 @@ engine keeps serving.
 
 The result store is in memory only (nothing is written to disk, so there is no full disk to fill). Past its byte cap
 the oldest results go first; a single result larger than the whole cap is still delivered, and kept only while it
-is the newest: the next finished job evicts it, and attaching to it then says the result expired."""
+is the newest result: the next one evicts it, and attaching to it then says the result expired (failed jobs hold no
+bytes; they are capped by count and time instead)."""
 
 import argparse
 import asyncio
@@ -21,7 +22,7 @@ from test_server import next_control, raw_ws
 
 from .helpers import serving
 
-# 0.02 GB of working memory per job: 124 frames at 64x64 (8 MB estimated) fit, 256x256 (130 MB) do not.
+# 0.02 GB of working memory per job: 124 frames at 64x64 (8 MB estimated) fit, 128x128 (32 MB) do not.
 # 0.0025 GB (2.6 MB) of kept results: a 32x32 result (1.7 MB) fits, two do not, a 64x64 one (2.8 MB) alone does not.
 ENGINE_ARGS = ["--max-queue", "2", "--memory-cap-gb", "0.02", "--result-cache-gb", "0.0025"]
 
@@ -38,9 +39,9 @@ def run(client, params):
 def test_job_over_the_memory_cap_fails_as_out_of_memory_and_says_what_to_reduce(engine, client, recorder):
     with recorder.case("faults"):
         with pytest.raises(EngineError) as err:
-            run(client, {"width": 256, "height": 256})
+            run(client, {"width": 128, "height": 128})
         assert err.value.code == "out_of_memory"
-        assert "Out of memory" in err.value.message and "256x256" in err.value.message
+        assert "Out of memory" in err.value.message and "128x128" in err.value.message
         assert "fewer seconds or a smaller width and height" in err.value.message
         assert run(client, {"width": 64, "height": 64}).frames.shape == (124, 64, 64, 3)
         assert serving(engine)
@@ -114,9 +115,11 @@ def test_result_store_evicts_oldest_first_and_keeps_an_oversized_result_only_whi
         big = run(client, {"width": 64, "height": 64, "seed": 3})  # over the whole cap: delivered all the same
         assert big.frames.shape == (124, 64, 64, 3)
         status = asyncio.run(client.status())["store"]
-        assert status["jobs"] == 1 and status["bytes"] > status["max_bytes"]
+        assert status["results"] == 1 and status["bytes"] > status["max_bytes"]
         assert asyncio.run(attach(big.job)).meta["params"]["seed"] == 3  # still the newest, still kept
         with pytest.raises(EngineError):
-            run(client, {"width": 256, "height": 256})  # any job that ends (here refused) evicts it
+            run(client, {"width": 128, "height": 128})  # a failed job holds no bytes: the big result stays
+        assert asyncio.run(attach(big.job)).meta["params"]["seed"] == 3
+        run(client, {"width": 32, "height": 32, "seed": 4})  # the next result evicts it
         assert asyncio.run(attach(big.job)).code == "unknown_job"
         assert serving(engine)

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine import protocol
+from engine.server.connection import RateLimit
 from test_server import next_control, raw_ws
 
 from .helpers import RawWebSocket, serving
@@ -70,20 +71,30 @@ class Wire:
         connection."""
         if self.ws is None or self.ws.closed:
             self.ws = await raw_ws(self.session, self.engine)
-            assert (await next_control(self.ws))["type"] == "welcome"
+            welcome = await next_control(self.ws)
+            assert welcome["type"] == "welcome"
+            limits = protocol.Limits.from_dict(welcome["limits"])  # kept to, with a margin, as a client should
+            self.rate = RateLimit(limits.max_messages_per_s * 0.8, limits.message_burst // 2)
         for item in items:
+            await self.pace()
             await (self.ws.send_bytes(item) if isinstance(item, bytes) else self.ws.send_str(item))
         self.pings += 1
         ping = f"ping-{self.pings}"
+        await self.pace()
         await self.ws.send_json({"type": "status", "id": ping})
         replies = []
         while (msg := await next_control(self.ws))["type"] != "status" or msg.get("id") != ping:
             assert msg["type"] != "closed", f"the engine closed the connection ({msg['code']}) after {replies}"
             if msg["type"] == "accepted":
+                await self.pace()
                 await self.ws.send_json({"type": "cancel", "id": "c", "job": msg["job"]})
             if msg["type"] == "accepted" or "job" not in msg:
                 replies.append(msg)
         return replies
+
+    async def pace(self) -> None:
+        while not self.rate.take():
+            await asyncio.sleep(1 / self.rate.rate)
 
 
 @pytest.fixture(scope="module")
