@@ -1,0 +1,61 @@
+"""fp8_scaled linear layers (notes/h3_quantized_files.md §1): F8_E4M3 weights with one fp32 scale per tensor.
+
+W = q * weight_scale. With FP8 hardware the activation is quantized per tensor too (the file's static
+`input_scale` when it has one, else amax / 448 of this call) and `torch._scaled_mm` multiplies the fp8 operands;
+without it the weight is dequantized to the activation dtype on the fly, layer by layer (nothing cached).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def fp8_compute(device_type: str, capability: tuple[int, int] | None) -> bool:
+    """Whether fp8 GEMMs run natively: CUDA at SM 8.9 (Ada) or newer."""
+    return device_type == "cuda" and capability is not None and tuple(capability) >= (8, 9)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (F8_E4M3 [N, K], fp32 scalar scale = amax / 448), the exporter's recipe."""
+    scale = (w.float().abs().amax() / FP8_MAX).clamp(min=1e-12)
+    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.float()).to(dtype)
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, input_scale: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8))
+        self.register_buffer("weight_scale", torch.empty((), dtype=torch.float32))
+        self.register_buffer("input_scale", torch.empty((), dtype=torch.float32) if input_scale else None)
+        self.register_buffer("bias", torch.empty(out_features) if bias else None)
+        self.scaled_mm: bool | None = None  # None: decided from the device on the first call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scaled_mm is None:
+            d = x.device
+            self.scaled_mm = fp8_compute(d.type, torch.cuda.get_device_capability(d) if d.type == "cuda" else None)
+        if not self.scaled_mm:
+            return F.linear(x, dequantize_weight(self.weight, self.weight_scale, x.dtype),
+                            None if self.bias is None else self.bias.to(x.dtype))
+        rows = x.reshape(-1, self.in_features)
+        scale = self.input_scale
+        if scale is None:
+            scale = (rows.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
+        xq = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=scale.float(), scale_b=self.weight_scale,
+                               bias=bias, out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3 per-tensor"
