@@ -51,7 +51,10 @@ class Fp8Linear(nn.Module):
         scale = self.input_scale
         if scale is None:
             scale = (rows.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
-        xq = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        # Divide in the activation dtype (no fp32 copy of x) by a scale that dtype holds exactly, so the scale
+        # _scaled_mm multiplies back is the one divided by.
+        scale = scale.to(x.dtype)
+        xq = (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         out = torch._scaled_mm(xq, self.weight.t(), scale_a=scale.float(), scale_b=self.weight_scale,
                                bias=bias, out_dtype=x.dtype)

@@ -41,9 +41,11 @@ def _sylvester_hadamard(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
+@functools.cache
 def hadamard(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
              sylvester: bool = False) -> torch.Tensor:
-    """The n x n rotation (regular by default; the Sylvester one only to recognise files made with it)."""
+    """The n x n rotation (regular by default; the Sylvester one only to recognise files made with it); cached per
+    device so a forward does not copy it there again."""
     return (_sylvester_hadamard(n) if sylvester else _regular_hadamard(n)).to(device, dtype)
 
 
