@@ -60,5 +60,12 @@ class Fp8Linear(nn.Module):
                                bias=bias, out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.weight_scale, dtype)
+
+    def requantize(self, w: torch.Tensor) -> None:
+        """Store a changed float weight (a LoRA merge) in this layer's format, with a fresh scale."""
+        self.weight, self.weight_scale = quantize_weight(w)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3 per-tensor"

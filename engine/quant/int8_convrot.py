@@ -134,6 +134,13 @@ class Int8ConvRotLinear(nn.Module):
             out += bias
         return out.reshape(*lead, self.out_features)
 
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.weight_scale, self.group, dtype)
+
+    def requantize(self, w: torch.Tensor) -> None:
+        """Store a changed float weight (a LoRA merge) in this layer's format, with fresh row scales."""
+        self.weight, self.weight_scale = quantize_weight(w, self.group)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row, "
                 f"ConvRot group {self.group}")
