@@ -10,7 +10,8 @@ fit the disk; load time and memory are also given per block and for 50 blocks), 
   int8_convrot         unpruned: the GEMMs as above and the AdaLN at ConvRot group 64
 
 Per format: file size, load time, GPU memory of the weights, one block at 1344x768 x 124 and x 362 frames dense
-and with VSA at --sparsity (best of 3 rounds), the ratio to the diffusers block, and the block output's relative
+and with VSA at --sparsity (best of 3 rounds), the ratio to the diffusers block, the block's four GEMMs alone
+(with their activation quantizers and SwiGLU; ratio to bf16), the GEMM path taken, and the block output's relative
 error against our bf16 block (each format with its own AdaLN tables, so the pruned formats include the rank-8
 curve error); the error is taken on the block's update (output - input), which the residual would hide.
 
@@ -147,7 +148,12 @@ def measure(args, name, path, work, reference, device, sync):
                 with vsa.active(plan, topk):
                     return block(x, mods, rows, rope)
 
-            runs = {"dense": lambda: block(x, mods, rows, rope), "vsa": sparse}
+            attn_out = torch.randn(*x.shape[:-1], block.attn.out_proj.in_features, device=device).to(args.dtype)
+
+            def gemms():  # the block's four GEMMs (and, quantized, their activation quantizers), SwiGLU included
+                block.attn.qkv_proj(x), block.attn.out_proj(attn_out), block.mlp(x)
+
+            runs = {"dense": lambda: block(x, mods, rows, rope), "vsa": sparse, "gemms": gemms}
             if ref_block is not None:
                 runs["diffusers"] = lambda: ref_block(x, temb, rows, rope)
             # The runs take turns, each keeps its best: GPU clocks drift as the card heats.
@@ -164,6 +170,13 @@ def measure(args, name, path, work, reference, device, sync):
                 row[f"{frames}_{k}_rel_err_vs_bf16"] = round(
                     ((outputs[k] - base[k]).norm() / (base[k] - x.float()).norm()).item(), 5)
             row[f"{frames}_S"] = lay.seq_len
+            if ref_block is not None:
+                reference[frames]["gemms_ms"] = row[f"{frames}_gemms_ms"]
+            row[f"{frames}_gemms_speedup_vs_bf16"] = round(reference[frames]["gemms_ms"] / row[f"{frames}_gemms_ms"], 3)
+    qkv = model.blocks[0].attn.qkv_proj
+    row["gemm_path"] = ("_scaled_mm" if getattr(qkv, "scaled_mm", False) else "_int_mm W8A8"
+                        if getattr(qkv, "int_mm", False) else "dequantized" if hasattr(qkv, "requantize")
+                        else str(args.dtype).removeprefix("torch."))
     log(f"{name}: {row}")
     RESULTS.setdefault("formats", []).append(row)
     del model, block, ref_block
@@ -201,11 +214,12 @@ def main() -> int:
     log("\n== H3 DiT formats (one block; ours vs diffusers and vs our bf16, same run) ==")
     for r in RESULTS.get("formats", []):
         mem = f"{r['weights_GiB_at_50_blocks']} GiB at 50 blocks" if "weights_GiB_at_50_blocks" in r else "cpu"
-        parts = [f"{r['format']:<20} file {r['file_GiB']} GiB, load {r['load_s']} s, {mem}"]
+        parts = [f"{r['format']:<20} ({r['gemm_path']}) file {r['file_GiB']} GiB, load {r['load_s']} s, {mem}"]
         for frames in work:
             parts.append(f"{frames} fr: dense {r[f'{frames}_dense_ms']} ms ({r[f'{frames}_dense_speedup_vs_diffusers']}x, "
                          f"err {r[f'{frames}_dense_rel_err_vs_bf16']}), VSA {r[f'{frames}_vsa_ms']} ms "
-                         f"({r[f'{frames}_vsa_speedup_vs_diffusers']}x, err {r[f'{frames}_vsa_rel_err_vs_bf16']})")
+                         f"({r[f'{frames}_vsa_speedup_vs_diffusers']}x, err {r[f'{frames}_vsa_rel_err_vs_bf16']}), "
+                         f"4 GEMMs {r[f'{frames}_gemms_ms']} ms ({r[f'{frames}_gemms_speedup_vs_bf16']}x bf16)")
         log(" | ".join(parts))
     save(out)
     return 0

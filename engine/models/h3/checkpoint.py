@@ -332,7 +332,7 @@ def spec_from_marker(marker: dict, where: str) -> QuantSpec:
     fmt, full = marker.get("format"), bool(marker.get("full_precision_matrix_mult", False))
     if fmt == "float8_e4m3fn":
         if "convrot" in marker or "convrot_groupsize" in marker:
-            raise CheckpointError(f"{where}: an float8_e4m3fn layer cannot be ConvRot-rotated ({marker})")
+            raise CheckpointError(f"{where}: a float8_e4m3fn layer cannot be ConvRot-rotated ({marker})")
         return QuantSpec("float8_e4m3fn", full_precision=full)
     if fmt == "int8_tensorwise":
         if marker.get("convrot") is not True:
@@ -386,8 +386,9 @@ def _quant_specs(files: list[Path], found: dict, prefix: str, metadata: dict[str
                 raise CheckpointError(f"{files[0].name}: quantization markers conflict for '{name}': its "
                                       f"{MARKER} tensor says {a}, __metadata__ {QUANT_METADATA} says {b}")
     specs = {name: spec_from_marker(entry, where) for name, (entry, where) in (layers | markers).items()}
+    keys = {k[len(prefix):] for k in found}
     for name, spec in list(specs.items()):
-        if spec.format == "float8_e4m3fn" and name + ".input_scale" in {k[len(prefix):] for k in found}:
+        if spec.format == "float8_e4m3fn" and name + ".input_scale" in keys:
             specs[name] = QuantSpec(spec.format, input_scale=True, full_precision=spec.full_precision)
     return specs, bool(markers)
 
