@@ -258,7 +258,11 @@ def test_int8_gemm_is_exact_and_fusion_matches():
     h = torch.randn(40, 512).bfloat16()
     from engine.kernels import fused
 
-    assert torch.equal(layer(h, input_act=fused.swiglu), layer(fused.swiglu(h)))
+    assert torch.equal(layer(h, input_act="swiglu"), layer(fused.swiglu(h)))
+    fp8_layer = fp8.Fp8Linear(256, 256, bias=False, input_scale=False)
+    fp8_layer.weight, fp8_layer.weight_scale = fp8.quantize_weight(torch.randn(256, 256))
+    fp8_layer.scaled_mm = True
+    assert torch.equal(fp8_layer(h, input_act="swiglu"), fp8_layer(fused.swiglu(h)))
 
 
 # ---------------------------------------------------------------------------------------------- quantized files
@@ -303,7 +307,7 @@ def test_int8_convrot_file(full16, pruned16, tmp_path, variant):
     marker = bytes(load_file(path)["blocks.0.mlp.fc2.comfy_quant"].tolist())
     assert marker == b'{"format": "int8_tensorwise", "convrot": true, "convrot_groupsize": 256}' and len(marker) == 72
     loaded = load_dit(path)
-    assert type(loaded.blocks[0].mlp).__name__ == "Int8SwiGLU"  # SwiGLU fused into fc2's quantizer
+    assert type(loaded.blocks[0].mlp).__name__ == "QuantSwiGLU"  # SwiGLU formed in fc2's quantizer
     if variant == "unpruned":
         assert loaded.blocks[1].adaln_proj.linear.group == 64
     err = rel(forward(loaded), forward(load_dit(save_dit(model, tmp_path / "bf16.safetensors"))))

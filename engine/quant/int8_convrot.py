@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.kernels import fused
+
 GROUP = 256
 ROWS_PER_CHUNK = 16384  # bounds the fp32 temporaries of the activation quantizer and the rescale
 _H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
@@ -78,31 +80,49 @@ def int8_compute(device_type: str, capability: tuple[int, int] | None) -> bool:
     return device_type == "cuda" and capability is not None and tuple(capability) >= (7, 5)
 
 
-def quantize_activation(x: torch.Tensor, group: int, act=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of x (after `act`, e.g. SwiGLU of fc1's output) rotated and quantized, chunk by chunk, so the float
-    intermediate of `act` exists for one chunk of rows at a time."""
+def _quantize_rows_fast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda and fused._have_triton():
+        from engine.quant import quant_triton
+
+        return quant_triton.rowwise_quantize(x, torch.int8)
+    return quantize_rows(x)
+
+
+def quantize_activation(x: torch.Tensor, group: int, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x (with `swiglu`: the SwiGLU of fc1's [gate; value] rows) rotated and quantized, chunk by chunk, so
+    the float intermediates exist for one chunk of rows at a time: SwiGLU, rotation (one bf16 GEMM) and the
+    abs-max + quantize pass (one Triton kernel on CUDA)."""
     rows = x.shape[0]
-    width = x.shape[1] if act is None else act(x[:0]).shape[1]
+    width = x.shape[1] // 2 if swiglu else x.shape[1]
     q = torch.empty(rows, width, dtype=torch.int8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     for start in range(0, rows, ROWS_PER_CHUNK):
         part = x[start:start + ROWS_PER_CHUNK]
-        q[start:start + part.shape[0]], scale[start:start + part.shape[0]] = quantize_rows(
-            rotate(part if act is None else act(part), group))
+        q[start:start + part.shape[0]], scale[start:start + part.shape[0]] = _quantize_rows_fast(
+            rotate(fused.swiglu(part) if swiglu else part, group))
     return q, scale
 
 
 def int8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                out_dtype: torch.dtype) -> torch.Tensor:
-    """(xq · wqᵀ exact in int32) · x_scale · w_scaleᵀ. `_int_mm` wants more than 16 rows: M is padded to >= 32."""
+                out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(xq · wqᵀ exact in int32) · x_scale · w_scaleᵀ (+ bias); the rescale is one Triton pass on CUDA.
+    `_int_mm` wants more than 16 rows: M is padded to >= 32."""
     m = xq.shape[0]
     if m < 32:
         xq = F.pad(xq, (0, 0, 0, 32 - m))
     out = torch.empty(m, wq.shape[0], dtype=out_dtype, device=xq.device)
     wt = wq.t()  # a column-major view: a contiguous copy of the transpose costs more than the GEMM (DS-DOC)
+    fast = xq.is_cuda and fused._have_triton()
     for start in range(0, m, ROWS_PER_CHUNK):
         acc = torch._int_mm(xq[start:start + ROWS_PER_CHUNK], wt)[:min(ROWS_PER_CHUNK, m - start)]
-        out[start:start + acc.shape[0]] = (acc.float() * x_scale[start:start + acc.shape[0]] * w_scale.t()).to(out_dtype)
+        sx = x_scale[start:start + acc.shape[0]]
+        if fast:
+            from engine.quant import quant_triton
+
+            out[start:start + acc.shape[0]] = quant_triton.int8_rescale(acc, sx, w_scale, bias, out_dtype)
+        else:
+            part = acc.float() * sx * w_scale.t()
+            out[start:start + acc.shape[0]] = (part if bias is None else part + bias.float()).to(out_dtype)
     return out
 
 
@@ -117,21 +137,21 @@ class Int8ConvRotLinear(nn.Module):
         self.register_buffer("bias", torch.empty(out_features) if bias else None)
         self.int_mm: bool | None = None  # None: decided from the device on the first call
 
-    def forward(self, x: torch.Tensor, input_act=None) -> torch.Tensor:
-        """`input_act` is applied to x first (SwiGLU of fc1's output, fused into the quantizer)."""
+    def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+        """`input_act="swiglu"`: x holds fc1's [gate; value] output and fc2 computes on its SwiGLU, which is formed
+        inside the activation quantizer chunk by chunk."""
         if self.int_mm is None:
             d = x.device
             self.int_mm = int8_compute(d.type, torch.cuda.get_device_capability(d) if d.type == "cuda" else None)
         lead = x.shape[:-1]
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        swiglu = input_act == "swiglu"
         if not self.int_mm:
-            x = x if input_act is None else input_act(x)
+            x = fused.swiglu(x) if swiglu else x
             w = dequantize_weight(self.weight, self.weight_scale, self.group, x.dtype)
             return F.linear(x, w, bias)
-        xq, x_scale = quantize_activation(x.reshape(-1, x.shape[-1]), self.group, input_act)
-        out = int8_matmul(xq, x_scale, self.weight, self.weight_scale, x.dtype)
-        if bias is not None:
-            out += bias
+        xq, x_scale = quantize_activation(x.reshape(-1, x.shape[-1]), self.group, swiglu)
+        out = int8_matmul(xq, x_scale, self.weight, self.weight_scale, x.dtype, bias)
         return out.reshape(*lead, self.out_features)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -144,17 +164,6 @@ class Int8ConvRotLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row, "
                 f"ConvRot group {self.group}")
-
-
-class Int8SwiGLU(nn.Module):
-    """fc2(act(fc1(x))) with the activation fused into fc2's input quantizer; same fc1/fc2 names as the MLP."""
-
-    def __init__(self, fc1: nn.Module, fc2: Int8ConvRotLinear, act):
-        super().__init__()
-        self.fc1, self.fc2, self.act = fc1, fc2, act
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.fc1(x), input_act=self.act)
 
 
 def channel_flatness(q: torch.Tensor, scale: torch.Tensor, group: int, sylvester: bool = False,

@@ -65,10 +65,21 @@ def quantize_linears(model: nn.Module, specs: dict[str, QuantSpec]) -> nn.Module
     return model
 
 
-def fuse_swiglu(model: nn.Module, mlp_type: type, act) -> nn.Module:
-    """Every `mlp_type` module whose fc2 is int8 ConvRot becomes an Int8SwiGLU: `act` runs inside fc2's quantizer."""
+class QuantSwiGLU(nn.Module):
+    """fc2(swiglu(fc1(x))) with the SwiGLU formed inside fc2's activation quantizer; the MLP's fc1/fc2 names."""
+
+    def __init__(self, fc1: nn.Module, fc2: nn.Module):
+        super().__init__()
+        self.fc1, self.fc2 = fc1, fc2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.fc1(x), input_act="swiglu")
+
+
+def fuse_swiglu(model: nn.Module, mlp_type: type) -> nn.Module:
+    """Every `mlp_type` module (fc2(swiglu(fc1(x)))) whose fc2 is quantized becomes a QuantSwiGLU."""
     for name, module in list(model.named_modules()):
-        if type(module) is mlp_type and isinstance(module.fc2, int8_convrot.Int8ConvRotLinear):
+        if type(module) is mlp_type and isinstance(module.fc2, (fp8.Fp8Linear, int8_convrot.Int8ConvRotLinear)):
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, int8_convrot.Int8SwiGLU(module.fc1, module.fc2, act))
+            setattr(model.get_submodule(parent), child, QuantSwiGLU(module.fc1, module.fc2))
     return model

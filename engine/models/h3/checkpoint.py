@@ -25,7 +25,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from engine.kernels import fused
 from engine.models.h3.config import H3Config
 from engine.models.h3.dit import H3DiT, SwiGLU, keeps_fp32, rope_inv_freq
 from engine.quant import int8_convrot
@@ -529,7 +528,7 @@ def load_dit(path: str | Path, config: H3Config | None = None, dtype: torch.dtyp
 
     model.rope_inv_freq = rope.to(device)
     model.set_dtype(dtype).eval().requires_grad_(False)
-    fuse_swiglu(model, SwiGLU, fused.swiglu)
+    fuse_swiglu(model, SwiGLU)
     _check_rotation(model, files[0])
     bump_weights_version(model)
     return model
