@@ -46,9 +46,10 @@ def rowwise_quantize(x: torch.Tensor, dtype: torch.dtype, swiglu: bool = False) 
     q = torch.empty(rows, k, dtype=dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     int8 = dtype == torch.int8
-    if rows:
+    block = triton.next_power_of_2(k)
+    if rows:  # a whole row per program: 16 warps keep a 16 K-wide fp32 row in registers
         _rowwise_quantize_kernel[(rows,)](x, q, scale, k, QMAX=127.0 if int8 else FP8_MAX, SWIGLU=swiglu, INT8=int8,
-                                          BLOCK=triton.next_power_of_2(k))
+                                          BLOCK=block, num_warps=min(16, max(4, block // 512)))
     return q, scale
 
 
