@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -56,8 +57,13 @@ class ModelSource:
     models_dir: str | None = None
     attention: str | None = None  # force an attention backend (None: per device)
     vsa_sparsity: float = 0.0  # H3 video sparse attention; 0 = dense
+    # Comfy-Org single files, as (role, path) pairs: dit, text_encoder, video_vae, audio_vae, and tokenizer_dir
+    # (the folder with tokenizer/ and processor/, which the files lack); LoRAs then resolve in models_dir.
+    files: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
+        if self.files:
+            return "files " + ", ".join(f"{role} {Path(path).name}" for role, path in self.files)
         return f"preset {self.preset}" if self.preset else f"models {self.models_dir}"
 
 
@@ -66,6 +72,8 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
 
     if source.preset:
         pipe = H3Pipeline.from_preset(source.preset, device=ctx.device)
+    elif source.files:
+        pipe = H3Pipeline.from_files(**dict(source.files), device=ctx.device, lora_root=source.models_dir)
     else:
         pipe = H3Pipeline.from_models(source.models_dir, device=ctx.device)
     if ctx.world_size > 1:

@@ -103,6 +103,17 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(request.app["service"].status())
 
 
+async def models(request: web.Request) -> web.Response:
+    """The model files this engine can load, by ComfyUI folder, each with its kind and format (headers only)."""
+    from engine.models.h3.model_files import list_models
+
+    root = request.app["service"].source.models_dir
+    if not root:
+        return web.json_response({"root": None, "folders": {}, "note": "this engine serves a preset, no models "
+                                                                       "folder"})
+    return web.json_response({"root": Path(root).name, "folders": list_models(root)})
+
+
 async def dashboard(request: web.Request) -> web.Response:
     return web.Response(text=DASHBOARD.read_text(), content_type="text/html")
 
@@ -166,6 +177,7 @@ def make_app(service: EngineService) -> web.Application:
     app["service"] = service
     app.router.add_get("/v1/health", health)
     app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/ws", websocket)
     app.router.add_get("/v1/results/{job}.mp4", result_mp4)
     app.router.add_get("/", dashboard)

@@ -5,6 +5,12 @@ Layouts (specs/h3.md §7.2):
   original  raw MiniMax shards: qkv_proj per-head interleaved [h0: q k v, h1: q k v, ...], plus rope.inv_freq
   comfy     ComfyUI single-file repack: our names, QKV already contiguous (rope.inv_freq optional)
   diffusers MiniMaxH3Transformer3DModel names, q/k/v split, ff.net.0.proj = [value; gate]
+
+Comfy single files may also be pruned (`adaln_t_table`, rank-r AdaLN projections, no time embedder) and quantized
+(notes/h3_quantized_files.md): per-layer `<layer>.comfy_quant` U8 JSON markers or a file-level
+`__metadata__["_quantization_metadata"]` name the fp8_scaled (F8_E4M3 + scalar `weight_scale`, optional
+`input_scale`) and int8_convrot (I8 + `weight_scale [N, 1]`, regular-Hadamard ConvRot) layers, which load into the
+quantized layers of engine/quant and run as stored.
 """
 
 from __future__ import annotations
@@ -20,10 +26,22 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from engine.models.h3.config import H3Config
-from engine.models.h3.dit import FP32_MODULES, H3DiT, rope_inv_freq
+from engine.models.h3.dit import H3DiT, SwiGLU, keeps_fp32, rope_inv_freq
+from engine.quant import int8_convrot
+from engine.quant.fp8 import Fp8Linear
+from engine.quant.transform import QuantSpec, fuse_swiglu, replace_linears
 
 LAYOUTS = ("original", "comfy", "diffusers")
 ROPE_KEY = "rope.inv_freq"
+CURVE_TABLE = "adaln_t_table"
+MARKER = "comfy_quant"
+QUANT_METADATA = "_quantization_metadata"
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+STORED_DTYPES = {"float8_e4m3fn": "F8_E4M3", "int8_convrot": "I8"}
+MARKER_FIELDS = {"format", "convrot", "convrot_groupsize", "full_precision_matrix_mult"}
+# Un-rotating a ConvRot file with the wrong matrix leaves its channels mixed: refuse when the Sylvester matrix
+# reveals clearly more channel structure than the regular one (a margin far above random weights' 2e-4 spread).
+SYLVESTER_MARGIN = 0.02
 KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 FILE_STEMS = {"original": "model", "diffusers": "diffusion_pytorch_model"}
 CLASS_NAMES = {"original": "MiniMaxH3DiTModel", "diffusers": "MiniMaxH3Transformer3DModel"}
@@ -196,6 +214,12 @@ def infer_config(shapes: Mapping[str, Sequence[int]], rope_freq_dim: int = 16) -
     layers, refiners = count("blocks."), count("token_refiner.blocks.")
     probe = "blocks.0" if layers else "token_refiner.blocks.0"
     head_dim = dim(f"{probe}.attn.q_norm.weight", 0)
+    if CURVE_TABLE in shapes:  # pruned: the table replaces the time embedder (whose widths keep their defaults)
+        time = dict(adaln_curve_grid=dim(CURVE_TABLE, 0), time_embed_dim=dim(CURVE_TABLE, 1))
+    else:
+        time = dict(freq_dim=dim("time_embedder.proj_in.weight", 1),
+                    time_embed_hidden_dim=dim("time_embedder.proj_in.weight", 0),
+                    time_embed_dim=dim("time_embedder.proj_out.weight", 0))
     return H3Config(
         num_attention_heads=dim(f"{probe}.attn.qkv_proj.weight", 0) // (3 * head_dim),
         attention_head_dim=head_dim,
@@ -206,10 +230,8 @@ def infer_config(shapes: Mapping[str, Sequence[int]], rope_freq_dim: int = 16) -
         in_channels=dim("video_patch_proj.weight", 1) // 4,
         audio_in_channels=dim("audio_patch_proj.weight", 1),
         text_dim=dim("condition_proj.weight", 1),
-        freq_dim=dim("time_embedder.proj_in.weight", 1),
-        time_embed_hidden_dim=dim("time_embedder.proj_in.weight", 0),
-        time_embed_dim=dim("time_embedder.proj_out.weight", 0),
         rope_freq_dim=dim(ROPE_KEY, 0) if ROPE_KEY in shapes else rope_freq_dim,
+        **time,
     )
 
 
@@ -279,16 +301,18 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str], dict | No
                           "nor diffusion_pytorch_model.safetensors[.index.json]")
 
 
-def _read_headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Every key of every file -> (file, shape), without reading tensor data."""
-    found = {}
+def _read_headers(files: list[Path]) -> tuple[dict[str, tuple[Path, tuple[int, ...], str]], dict[str, str]]:
+    """(every key of every file -> (file, shape, safetensors dtype), the files' __metadata__), without tensor data."""
+    found, metadata = {}, {}
     for path in files:
         with _open(path) as f:
+            metadata.update(f.metadata() or {})
             for key in f.keys():
                 if key in found:
                     raise CheckpointError(f"{path.name}: key '{key}' is also in {found[key][0].name}")
-                found[key] = (path, tuple(f.get_slice(key).get_shape()))
-    return found
+                part = f.get_slice(key)
+                found[key] = (path, tuple(part.get_shape()), part.get_dtype())
+    return found, metadata
 
 
 def detect_layout(keys, config_json: dict | None, sharded: bool) -> str:
@@ -299,8 +323,102 @@ def detect_layout(keys, config_json: dict | None, sharded: bool) -> str:
     return "comfy"
 
 
-def _target_dtype(key: str, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if any(key.startswith(p + ".") for p in FP32_MODULES) else dtype
+def spec_from_marker(marker: dict, where: str) -> QuantSpec:
+    """A comfy_quant marker (or a `_quantization_metadata` layer entry) -> QuantSpec; `where` names it in errors."""
+    if not isinstance(marker, dict) or set(marker) - MARKER_FIELDS:
+        extra = sorted(set(marker) - MARKER_FIELDS) if isinstance(marker, dict) else marker
+        raise CheckpointError(f"{where}: unknown quantization fields {extra} (known: {sorted(MARKER_FIELDS)})")
+    fmt, full = marker.get("format"), bool(marker.get("full_precision_matrix_mult", False))
+    if fmt == "float8_e4m3fn":
+        if "convrot" in marker or "convrot_groupsize" in marker:
+            raise CheckpointError(f"{where}: a float8_e4m3fn layer cannot be ConvRot-rotated ({marker})")
+        return QuantSpec("float8_e4m3fn", full_precision=full)
+    if fmt == "int8_tensorwise":
+        if marker.get("convrot") is not True:
+            raise CheckpointError(f"{where}: int8_tensorwise without ConvRot is not an H3 DiT format; the Comfy-Org "
+                                  "int8 files are int8_convrot (\"convrot\": true)")
+        group = marker.get("convrot_groupsize", int8_convrot.GROUP)
+        if group not in (16, 64, 256, 1024):
+            raise CheckpointError(f"{where}: convrot_groupsize {group!r} is not a power of 4 (64 or 256 expected)")
+        return QuantSpec("int8_convrot", group=group, full_precision=full)
+    raise CheckpointError(f"{where}: quantization format {fmt!r} is not supported; the H3 DiT loads "
+                          "float8_e4m3fn (fp8_scaled) and int8_tensorwise + convrot (int8_convrot)")
+
+
+def comfy_quant_marker(spec: QuantSpec) -> dict:
+    """The marker JSON Comfy writes for a layer of this spec (json.dumps default separators in the file)."""
+    if spec.format == "float8_e4m3fn":
+        return {"format": "float8_e4m3fn"}
+    return {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": spec.group}
+
+
+def _quant_specs(files: list[Path], found: dict, prefix: str, metadata: dict[str, str]) -> tuple[dict, bool]:
+    """({our layer name: QuantSpec}, whether the file has per-layer marker tensors) from the markers and/or the
+    file-level metadata, which must agree layer by layer when both are present."""
+    markers = {}
+    for key, (file, _, dtype) in found.items():
+        if not key.endswith("." + MARKER):
+            continue
+        if dtype != "U8":
+            raise CheckpointError(f"wrong dtype for '{key}' in {file.name}: file has {dtype}, expected U8 (JSON bytes)")
+        with _open(file) as f:
+            raw = bytes(f.get_tensor(key).tolist())
+        try:
+            markers[key[len(prefix):-len(MARKER) - 1]] = (json.loads(raw.decode()), f"{file.name}: '{key}'")
+        except (UnicodeDecodeError, ValueError):
+            raise CheckpointError(f"{file.name}: '{key}' is not UTF-8 JSON ({raw[:40]!r})") from None
+
+    layers = {}
+    if QUANT_METADATA in metadata:
+        where = f"{files[0].name}: __metadata__ {QUANT_METADATA}"
+        try:
+            entries = json.loads(metadata[QUANT_METADATA])["layers"]
+        except (ValueError, TypeError, KeyError):
+            raise CheckpointError(f"{where} is not JSON with a 'layers' map") from None
+        for name, entry in entries.items():
+            layers[next((name[len(p):] for p in KEY_PREFIXES if name.startswith(p)), name)] = (
+                entry, f"{where} layer '{name}'")
+    if markers and layers:
+        for name in sorted(markers.keys() | layers.keys()):
+            a, b = markers.get(name, (None,))[0], layers.get(name, (None,))[0]
+            if a != b:
+                raise CheckpointError(f"{files[0].name}: quantization markers conflict for '{name}': its "
+                                      f"{MARKER} tensor says {a}, __metadata__ {QUANT_METADATA} says {b}")
+    specs = {name: spec_from_marker(entry, where) for name, (entry, where) in (layers | markers).items()}
+    keys = {k[len(prefix):] for k in found}
+    for name, spec in list(specs.items()):
+        if spec.format == "float8_e4m3fn" and name + ".input_scale" in keys:
+            specs[name] = QuantSpec(spec.format, input_scale=True, full_precision=spec.full_precision)
+    return specs, bool(markers)
+
+
+def _allowed_dtypes(key: str, quant: dict[str, QuantSpec]) -> tuple[str, ...]:
+    module, _, suffix = key.rpartition(".")
+    spec = quant.get(module)
+    if suffix == MARKER:
+        return ("U8",)
+    if spec is not None and suffix == "weight":
+        return (STORED_DTYPES[spec.format],)
+    if spec is not None and suffix in ("weight_scale", "input_scale"):
+        return ("F32",)
+    return FLOAT_DTYPES
+
+
+def _check_rotation(model: H3DiT, file: Path) -> None:
+    """A ConvRot file made with the Sylvester Hadamard matrix un-rotates to noise: recognise it on one layer."""
+    probe = next(((n, m) for n, m in model.named_modules()
+                  if isinstance(m, int8_convrot.Int8ConvRotLinear) and m.group == int8_convrot.GROUP), None)
+    if probe is None:
+        return
+    name, layer = probe
+    regular = int8_convrot.channel_flatness(layer.weight, layer.weight_scale, layer.group)
+    sylvester = int8_convrot.channel_flatness(layer.weight, layer.weight_scale, layer.group, sylvester=True)
+    if sylvester < regular - SYLVESTER_MARGIN:
+        raise CheckpointError(
+            f"{file.name}: '{name}.weight' was rotated with the Sylvester (Walsh) Hadamard matrix, not ConvRot's "
+            f"regular one (channel-structure cosine {sylvester:.3f} un-rotated with Sylvester vs {regular:.3f} with "
+            "the regular matrix); it would compute noise. Use the Comfy-Org int8_convrot file or re-export it "
+            "with comfy-kitchen's ConvRot.")
 
 
 def bump_weights_version(model: torch.nn.Module) -> None:
@@ -310,21 +428,32 @@ def bump_weights_version(model: torch.nn.Module) -> None:
 
 def load_dit(path: str | Path, config: H3Config | None = None, dtype: torch.dtype = torch.bfloat16,
              device: torch.device | str = "cpu", layout: str | None = None) -> H3DiT:
-    """Load an H3 DiT from any layout, strictly: every tensor exactly once, no extra key, every shape checked.
+    """Load an H3 DiT from any layout, strictly: every tensor exactly once, no extra key, every shape and dtype
+    checked.
 
     `path` is a .safetensors file or a directory with an index + shards or a single model file, and optionally
     config.json (else the config is inferred from the shapes). Shards are read one at a time into a model built on
-    the meta device, so host memory holds at most one shard beyond the model itself.
+    the meta device, so host memory holds at most one shard beyond the model itself. Quantized layers keep their
+    stored dtypes; fp32 islands (patch projections, heads, time embedder or curve AdaLN) load fp32 whatever the file
+    stores; everything else loads in `dtype`.
     """
     path = Path(path)
     files, weight_map, config_json = _checkpoint_files(path)
-    found = _read_headers(files)
+    found, metadata = _read_headers(files)
     prefix = next((p for p in KEY_PREFIXES if all(k.startswith(p) for k in found)), "")
-    shapes = {k[len(prefix):]: shape for k, (_, shape) in found.items()}
+    shapes = {k[len(prefix):]: shape for k, (_, shape, _) in found.items()}
     layout = layout or detect_layout(shapes, config_json, bool(weight_map))
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     looked_in = ", ".join(p.name for p in files)
+    if CURVE_TABLE in shapes and (embedder := next((k for k in found if ".time_embedder." in "." + k), None)):
+        raise CheckpointError(f"{found[embedder][0].name}: a pruned (curve AdaLN) checkpoint has '{prefix}"
+                              f"{CURVE_TABLE}' and must not also carry '{embedder}'; the file mixes a pruned and a "
+                              "full model")
+    quant, marker_tensors = _quant_specs(files, found, prefix, metadata)
+    if quant and layout != "comfy":
+        raise CheckpointError(f"{looked_in}: quantized weights load from Comfy single files only, not the "
+                              f"{layout} layout")
 
     if config is None and config_json is not None:
         config = H3Config.from_dict(config_json)
@@ -337,6 +466,18 @@ def load_dit(path: str | Path, config: H3Config | None = None, dtype: torch.dtyp
 
     with torch.device("meta"):
         model = H3DiT(config)
+    for name, spec in quant.items():
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            linear = None
+        if not isinstance(linear, torch.nn.Linear):
+            raise CheckpointError(f"{looked_in}: quantization marker for '{prefix}{name}', which is not a linear "
+                                  "layer of the H3 DiT")
+        if spec.format == "int8_convrot" and linear.in_features % spec.group:
+            raise CheckpointError(f"{looked_in}: '{prefix}{name}' has {linear.in_features} inputs, not a multiple of "
+                                  f"its ConvRot group {spec.group}")
+    replace_linears(model, quant)
     # Our key -> {file key: meta tensor of the expected shape}; q/k/v of diffusers are three file keys.
     plan = {k: _to_layout({k: t}, layout, heads) for k, t in model.state_dict().items()}
     owner = {fk: k for k, group in plan.items() for fk in group}
@@ -344,8 +485,10 @@ def load_dit(path: str | Path, config: H3Config | None = None, dtype: torch.dtyp
     rope = rope_inv_freq(config)
     if layout == "original" or (layout == "comfy" and ROPE_KEY in shapes):
         expected[ROPE_KEY] = tuple(rope.shape)
+    if marker_tensors:
+        expected.update({f"{name}.{MARKER}": shapes.get(f"{name}.{MARKER}") for name in quant})
 
-    for key, (file, _) in found.items():
+    for key, (file, _, _) in found.items():
         if key[len(prefix):] not in expected:
             raise CheckpointError(f"{file.name}: unexpected key '{key}'")
     for key, shape in expected.items():
@@ -356,6 +499,11 @@ def load_dit(path: str | Path, config: H3Config | None = None, dtype: torch.dtyp
         if shapes[key] != shape:
             raise CheckpointError(f"shape mismatch for '{raw}' in {found[raw][0].name}: file has "
                                   f"{list(shapes[key])}, model expects {list(shape)}")
+        allowed, stored = _allowed_dtypes(key, quant), found[raw][2]
+        if stored not in allowed:
+            raise CheckpointError(f"wrong dtype for '{raw}' in {found[raw][0].name}: file has {stored}, expected "
+                                  f"{' or '.join(allowed)}" + (" (a quantized weight without its comfy_quant marker)"
+                                                               if stored in ("I8", "F8_E4M3") else ""))
 
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for file in files:
@@ -368,23 +516,51 @@ def load_dit(path: str | Path, config: H3Config | None = None, dtype: torch.dtyp
                         raise CheckpointError(f"{file.name}: '{raw}' does not match rope_freq_dim="
                                               f"{config.rope_freq_dim}, rope_theta={config.rope_theta}")
                     continue
+                if key.endswith("." + MARKER):
+                    continue
                 ours = owner[key]
                 group = pending.setdefault(ours, {})
                 group[key] = f.get_tensor(raw)
                 if len(group) == len(plan[ours]):
                     tensor = _from_layout(pending.pop(ours), layout, heads)[ours]
-                    part[ours] = tensor.to(device=device, dtype=_target_dtype(ours, dtype))
+                    part[ours] = tensor.to(device=device, dtype=_target_dtype(ours, tensor.dtype, dtype, config, quant))
         model.load_state_dict(part, strict=False, assign=True)
 
     model.rope_inv_freq = rope.to(device)
     model.set_dtype(dtype).eval().requires_grad_(False)
+    fuse_swiglu(model, SwiGLU)
+    _check_rotation(model, files[0])
     bump_weights_version(model)
     return model
 
 
-def save_dit(model: H3DiT, path: str | Path, layout: str = "comfy", shards: int = 1) -> Path:
+def _target_dtype(key: str, stored: torch.dtype, dtype: torch.dtype, config: H3Config,
+                  quant: dict[str, QuantSpec]) -> torch.dtype:
+    module, _, suffix = key.rpartition(".")
+    if module in quant and suffix != "bias":
+        return stored  # quantized weights and their fp32 scales run as stored
+    return torch.float32 if keeps_fp32(key, config) else dtype
+
+
+def quant_specs(model: torch.nn.Module) -> dict[str, QuantSpec]:
+    """The quantized layers of a model (see engine/quant/transform.py) as {name: QuantSpec}."""
+    specs = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Fp8Linear):
+            specs[name] = QuantSpec("float8_e4m3fn", input_scale=m.input_scale is not None)
+        elif isinstance(m, int8_convrot.Int8ConvRotLinear):
+            specs[name] = QuantSpec("int8_convrot", group=m.group)
+    return specs
+
+
+def save_dit(model: H3DiT, path: str | Path, layout: str = "comfy", shards: int = 1, markers: str = "tensor",
+             curve_dtype: torch.dtype = torch.float16) -> Path:
     """Write `model` in a layout: comfy = one file at `path`; original/diffusers = a directory with config.json,
-    and with `shards` > 1 an index plus `{model|diffusion_pytorch_model}-0000i-of-0000N.safetensors`."""
+    and with `shards` > 1 an index plus `{model|diffusion_pytorch_model}-0000i-of-0000N.safetensors`.
+
+    A quantized model (comfy only) is written in Comfy's schema; `markers` says where its layers are named:
+    "tensor" (`<layer>.comfy_quant` U8 JSON), "metadata" (`__metadata__` _quantization_metadata) or "both". A
+    pruned model's AdaLN projections are stored in `curve_dtype` (the Comfy files store F16; they load as fp32)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     config, path = model.config, Path(path)
@@ -392,10 +568,24 @@ def save_dit(model: H3DiT, path: str | Path, layout: str = "comfy", shards: int 
                     config.num_attention_heads)
     if layout != "diffusers":
         sd[ROPE_KEY] = rope_inv_freq(config)
+    if config.curve:
+        sd = {k: v.to(curve_dtype) if k.endswith(("adaln_proj.linear.weight", "adaln_proj.linear.bias",
+                                                  "norm_out.linear.weight", "norm_out.linear.bias")) else v
+              for k, v in sd.items()}
+    quant = quant_specs(model)
+    if quant and layout != "comfy":
+        raise ValueError("quantized models are written as Comfy single files only")
     if layout == "comfy":
         if shards != 1:
             raise ValueError("a comfy checkpoint is a single file")
-        _write(sd, path)
+        layers = {name: comfy_quant_marker(spec) for name, spec in quant.items()}
+        if markers in ("tensor", "both"):
+            for name, marker in layers.items():
+                sd[f"{name}.{MARKER}"] = torch.tensor(list(json.dumps(marker).encode()), dtype=torch.uint8)
+        metadata = None
+        if quant and markers in ("metadata", "both"):
+            metadata = {QUANT_METADATA: json.dumps({"format_version": "1.0", "layers": layers})}
+        _write(sd, path, metadata)
         return path
 
     path.mkdir(parents=True, exist_ok=True)
@@ -417,6 +607,6 @@ def save_dit(model: H3DiT, path: str | Path, layout: str = "comfy", shards: int 
     return path
 
 
-def _write(sd: dict[str, torch.Tensor], path: Path) -> None:
+def _write(sd: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     # Clones: q/k/v thirds and state-dict views share storage, which safetensors refuses.
-    save_file({k: v.contiguous().clone() for k, v in sd.items()}, str(path))
+    save_file({k: v.contiguous().clone() for k, v in sd.items()}, str(path), metadata=metadata)

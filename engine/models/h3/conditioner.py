@@ -3,10 +3,17 @@
 `Conditioner.encode` builds the presentation (t2va: the prompt alone; fl2va: `"<Picture i>: "` plus a vision block
 per keyframe, then the prompt), runs Qwen3-VL up to decoder layer `layer` and returns `hidden_states[layer]` (the
 unnormalised residual) with the per-token modality tags the DiT's AdaLN reads.
+
+Weights come from a models folder (`text_encoder/`, transformers layout) or from a Comfy-Org single file
+`qwen3vl_32b_minimax_h3_{bf16,int8_convrot,nvfp4_awq}.safetensors` (notes/h3_quantized_files.md §3, §5): flat
+Qwen2-VL names (`model.layers.*`, `visual.*`), the 50 layers used, no final norm, no LM head; int8_convrot layers
+stay int8 (dequantized per layer on the fly, as ComfyUI runs text encoders at full precision), NVFP4-AWQ layers and
+the int8 embedding are dequantized at load with the AWQ `pre_quant_scale` folded into the weight.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,9 +24,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoImageProcessor, AutoTokenizer, PreTrainedTokenizerFast, Qwen3VLConfig,
                           Qwen3VLForConditionalGeneration)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from safetensors import SafetensorError, safe_open
+from transformers.initialization import no_init_weights
 from transformers.utils import logging
 
+from engine.models.h3.checkpoint import CheckpointError
 from engine.models.h3.config import TEXT_TAG, VIDEO_TAG
+from engine.quant import int8_convrot, nvfp4
+from engine.quant.transform import QuantSpec, replace_linears
 
 REAL_LAYER = 50
 MAX_PROMPT_TOKENS = 2048
@@ -86,6 +98,20 @@ class Conditioner:
         image_processor = AutoImageProcessor.from_pretrained(directory / "processor", local_files_only=True)
         return cls(model, tokenizer, image_processor, layer, max_prompt_tokens)
 
+    @classmethod
+    def from_single_file(cls, path: str | Path, tokenizer_dir: str | Path, config: Qwen3VLConfig | None = None,
+                         dtype: torch.dtype = torch.bfloat16, device="cpu", layer: int = REAL_LAYER,
+                         max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> "Conditioner":
+        """A Comfy-Org text-encoder file; the tokenizer and image processor come from `tokenizer_dir` (a models
+        folder with `tokenizer/` and `processor/`, or a folder holding both), since the file has neither."""
+        model = load_text_encoder_file(path, config or qwen3vl_32b_config(layer), dtype, device)
+        tokenizer_dir = Path(tokenizer_dir)
+        tok = tokenizer_dir / "tokenizer" if (tokenizer_dir / "tokenizer").is_dir() else tokenizer_dir
+        proc = tokenizer_dir / "processor" if (tokenizer_dir / "processor").is_dir() else tokenizer_dir
+        tokenizer = AutoTokenizer.from_pretrained(tok, local_files_only=True)
+        image_processor = AutoImageProcessor.from_pretrained(proc, local_files_only=True)
+        return cls(model, tokenizer, image_processor, layer, max_prompt_tokens)
+
     @property
     def hidden_size(self) -> int:
         return self.model.config.text_config.hidden_size
@@ -134,6 +160,136 @@ class Conditioner:
                                mm_token_type_ids=mm_token_type_ids, use_cache=False,
                                output_hidden_states=self.layer, **vision)
         return out.hidden_states[self.layer], torch.tensor(tags, dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------- Comfy single files
+
+def qwen3vl_32b_config(layers: int = REAL_LAYER) -> Qwen3VLConfig:
+    """Qwen3-VL-32B as the Comfy files hold it (ComfyUI `Qwen3VL_32BConfig`, specs/h3.md §4), `layers` kept."""
+    return Qwen3VLConfig(
+        text_config=dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=layers,
+                         num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                         max_position_embeddings=262144,
+                         rope_parameters=dict(rope_type="default", rope_theta=5e6, mrope_section=[24, 20, 20],
+                                              mrope_interleaved=True)),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                           temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=5120,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
+                           hidden_act="gelu_pytorch_tanh"),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+        tie_word_embeddings=False)
+
+
+def comfy_text_encoder_name(key: str) -> str:
+    """transformers Qwen3-VL key -> the flat Qwen2-VL name of the Comfy file."""
+    if key.startswith("model.visual."):
+        return key[len("model."):]
+    return "model." + key[len("model.language_model."):]
+
+
+def _read_marker(f, key: str, path: Path) -> dict:
+    raw = bytes(f.get_tensor(key).tolist())
+    try:
+        return json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise CheckpointError(f"{path.name}: '{key}' is not UTF-8 JSON ({raw[:40]!r})") from None
+
+
+def _te_format(marker: dict, where: str) -> str:
+    fmt = marker.get("format")
+    if fmt == "int8_tensorwise":
+        return "int8_convrot" if marker.get("convrot") else "int8"
+    if fmt == "nvfp4":
+        return "nvfp4"
+    raise CheckpointError(f"{where}: quantization format {fmt!r} is not a Comfy text-encoder format "
+                          "(int8_tensorwise with or without convrot, nvfp4)")
+
+
+def _te_expected(fmt: str | None, name: str, shape: tuple, keys: set) -> dict[str, tuple[str, tuple]]:
+    """File keys of one weight of the given format -> (safetensors dtype or 'float', shape)."""
+    module = name[:-len(".weight")]
+    if fmt is None:
+        return {name: ("float", shape)}
+    marker = {f"{module}.comfy_quant": ("U8", None)}
+    if fmt in ("int8", "int8_convrot"):
+        return {name: ("I8", shape), f"{module}.weight_scale": ("F32", (shape[0], 1)), **marker}
+    packed, scales = nvfp4.stored_shapes(*shape)
+    out = {name: ("U8", packed), f"{module}.weight_scale": ("F8_E4M3", scales),
+           f"{module}.weight_scale_2": ("F32", ()), **marker}
+    if f"{module}.pre_quant_scale" in keys:
+        out[f"{module}.pre_quant_scale"] = ("float", (shape[1],))
+    return out
+
+
+def load_text_encoder_file(path: str | Path, config: Qwen3VLConfig, dtype: torch.dtype = torch.bfloat16,
+                           device="cpu") -> Qwen3VLForConditionalGeneration:
+    """A Comfy text-encoder single file into transformers' Qwen3-VL, strictly (every key once, shapes and dtypes
+    checked; errors name the key and the file). The model keeps `config.text_config.num_hidden_layers` layers."""
+    path = Path(path)
+    try:
+        f = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path.name}: is truncated or not a safetensors file ({e})") from e
+    with f:
+        found = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+        formats = {k[:-len(".comfy_quant")]: _te_format(_read_marker(f, k, path), f"{path.name}: '{k}'")
+                   for k in found if k.endswith(".comfy_quant")}
+
+        with no_init_weights(), torch.device(device):
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                model = Qwen3VLForConditionalGeneration(config).eval()
+            finally:
+                torch.set_default_dtype(previous)
+        model.lm_head = None  # never used: the conditioning is a hidden state
+        state = {k: v for k, v in model.state_dict().items() if k != "model.language_model.norm.weight"}
+        plan = {}  # model weight -> (format, {file key: (dtype, shape)})
+        for key, tensor in state.items():
+            name = comfy_text_encoder_name(key)
+            fmt = formats.get(name[:-len(".weight")]) if name.endswith(".weight") else None
+            plan[key] = (fmt, _te_expected(fmt, name, tuple(tensor.shape), found.keys()))
+        quant = [k for k, (fmt, _) in plan.items() if fmt == "int8_convrot"]
+        for key in quant:
+            del state[key]  # frees the float weight once its int8 layer replaces it
+        replace_linears(model, {k[:-len(".weight")]: QuantSpec("int8_convrot", full_precision=True) for k in quant})
+        expected = {fk: spec for _, group in plan.values() for fk, spec in group.items()}
+        for key in found:
+            if key not in expected:
+                raise CheckpointError(f"{path.name}: unexpected key '{key}'")
+        for key, (want_dtype, want_shape) in expected.items():
+            if key not in found:
+                raise CheckpointError(f"missing key '{key}' (looked in: {path.name})")
+            have_dtype, have_shape = found[key]
+            if want_shape is not None and have_shape != want_shape:
+                raise CheckpointError(f"shape mismatch for '{key}' in {path.name}: file has {list(have_shape)}, "
+                                      f"model expects {list(want_shape)}")
+            if have_dtype != want_dtype and not (want_dtype == "float" and have_dtype in ("BF16", "F16", "F32")):
+                raise CheckpointError(f"wrong dtype for '{key}' in {path.name}: file has {have_dtype}, expected "
+                                      f"{'BF16, F16 or F32' if want_dtype == 'float' else want_dtype}")
+
+        with torch.no_grad():
+            for key, (fmt, group) in plan.items():
+                name = comfy_text_encoder_name(key)
+                module = name[:-len(".weight")]
+                if fmt == "int8_convrot":
+                    layer = model.get_submodule(key[:-len(".weight")])
+                    layer.weight = f.get_tensor(name).to(device)
+                    layer.weight_scale = f.get_tensor(f"{module}.weight_scale").to(device)
+                    continue
+                if fmt == "int8":
+                    value = f.get_tensor(name).to(device).float() * f.get_tensor(f"{module}.weight_scale").to(device)
+                elif fmt == "nvfp4":
+                    out_features, in_features = state[key].shape
+                    value = nvfp4.dequantize_weight(
+                        f.get_tensor(name).to(device), f.get_tensor(f"{module}.weight_scale").to(device),
+                        f.get_tensor(f"{module}.weight_scale_2"), out_features, in_features, torch.float32)
+                    if f"{module}.pre_quant_scale" in group:  # y = (x * s) W^T = x (W * s)^T
+                        value = value * f.get_tensor(f"{module}.pre_quant_scale").to(device).float()
+                else:
+                    value = f.get_tensor(name)
+                state[key].copy_(value)
+    return model
 
 
 # Tiny preset: byte-level tokens 0..255, then these specials.

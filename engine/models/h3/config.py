@@ -29,6 +29,9 @@ class H3Config:
     norm_eps: float = 1e-5
     qk_norm_eps: float = 1e-5
     final_norm_eps: float = 1e-5
+    # Pruned "curve" AdaLN (specs/h3.md §7.3): > 0 is the grid size G of `adaln_t_table [G, time_embed_dim]`,
+    # which replaces the time embedder; 0 is the full model.
+    adaln_curve_grid: int = 0
 
     @property
     def video_patch_dim(self) -> int:
@@ -36,12 +39,19 @@ class H3Config:
         return self.in_channels * p[0] * p[1] * p[2]
 
     @property
+    def curve(self) -> bool:
+        return self.adaln_curve_grid > 0
+
+    @property
     def inner_dim(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
 
     def to_dict(self) -> dict:
+        """The diffusers config fields (also MiniMaxH3Transformer3DModel's kwargs); a pruned config adds its grid."""
         d = asdict(self)
         d["patch_size"] = list(self.patch_size)
+        if not self.curve:
+            del d["adaln_curve_grid"]
         return d
 
     @classmethod

@@ -7,11 +7,16 @@ checkpoint loads by name once its fused QKV is de-interleaved (see checkpoint.py
 [q_all; k_all; v_all] and `mlp.fc1` holds [gate; value].
 
 Precision: patch projections, time embedder and output heads stay fp32; everything else runs in `dtype`.
+
+Pruned "curve" models (config.adaln_curve_grid > 0, specs/h3.md §7.3) have no time embedder: the embedding is
+interpolated from `adaln_t_table [G, r]`, which already holds the post-SiLU curve, so the rank-r AdaLN projections
+run without SiLU, in fp32.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn as nn
@@ -24,6 +29,16 @@ from engine.parallel import ulysses
 
 FP32_MODULES = ("video_patch_proj", "audio_patch_proj", "time_embedder", "final_layer.video_out",
                 "final_layer.audio_out")
+
+
+CURVE_FP32 = re.compile(r"adaln_t_table|(blocks\.\d+|final_layer)\.adaln_proj(\..*)?")
+
+
+def keeps_fp32(name: str, config: H3Config) -> bool:
+    """Whether module, parameter or buffer `name` stays fp32 whatever the model dtype."""
+    if any(name == p or name.startswith(p + ".") for p in FP32_MODULES):
+        return True
+    return config.curve and CURVE_FP32.fullmatch(name) is not None
 
 
 def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -109,10 +124,12 @@ class AdaLNProjection(nn.Module):
         super().__init__()
         self.hidden_size = c.hidden_size
         self.linear = nn.Linear(c.time_embed_dim, 6 * NUM_MODALITIES * c.hidden_size, bias=True)
+        self.silu = not c.curve
 
     def forward(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # SiLU at temb's fp32 precision, then cast to the projection dtype (the reference order).
-        mods = self.linear(F.silu(temb).to(self.linear.weight.dtype))
+        # SiLU at temb's fp32 precision, then cast to the projection dtype (the reference order); the bias has it
+        # also when the weight is quantized.
+        mods = self.linear((F.silu(temb) if self.silu else temb).to(self.linear.bias.dtype))
         return mods.view(-1, 6 * self.hidden_size).chunk(6, dim=-1)
 
 
@@ -147,18 +164,28 @@ class TimeEmbedder(nn.Module):
         return self.proj_out(F.silu(self.proj_in(x)))
 
 
+def curve_embedding(table: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """t [M] in [0, 1] -> [M, r]: linear interpolation of the table rows on the grid t_j = j / (G - 1), fp32."""
+    pos = t.float().clamp(0.0, 1.0) * (table.shape[0] - 1)
+    i0 = pos.floor().long().clamp(max=table.shape[0] - 2)
+    table = table.float()
+    start, end = table[i0], table[i0 + 1]
+    return start + (pos - i0)[:, None] * (end - start)
+
+
 class FinalLayer(nn.Module):
     def __init__(self, c: H3Config):
         super().__init__()
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.final_norm_eps)
         self.adaln_proj = nn.Module()
         self.adaln_proj.linear = nn.Linear(c.time_embed_dim, 2 * c.hidden_size)
+        self.silu = not c.curve
         self.video_out = nn.Linear(c.hidden_size, c.video_patch_dim)
         self.audio_out = nn.Linear(c.hidden_size, c.audio_in_channels)
 
     def modulation(self, temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         linear = self.adaln_proj.linear
-        shift, scale = linear(F.silu(temb).to(linear.weight.dtype)).chunk(2, dim=-1)
+        shift, scale = linear((F.silu(temb) if self.silu else temb).to(linear.bias.dtype)).chunk(2, dim=-1)
         return shift, scale
 
     def forward(self, x, shift, scale, timestep_indices, video_indices, audio_indices):
@@ -174,7 +201,10 @@ class H3DiT(nn.Module):
         self.video_patch_proj = nn.Linear(c.video_patch_dim, c.hidden_size)
         self.audio_patch_proj = nn.Linear(c.audio_in_channels, c.hidden_size)
         self.condition_proj = nn.Linear(c.text_dim, c.hidden_size)
-        self.time_embedder = TimeEmbedder(c)
+        if c.curve:
+            self.register_buffer("adaln_t_table", torch.zeros(c.adaln_curve_grid, c.time_embed_dim))
+        else:
+            self.time_embedder = TimeEmbedder(c)
         self.token_refiner = TokenRefiner(c)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
         self.final_layer = FinalLayer(c)
@@ -187,20 +217,20 @@ class H3DiT(nn.Module):
     def set_dtype(self, dtype: torch.dtype) -> "H3DiT":
         """Cast to the released mixed precision: `dtype` everywhere except the fp32 modules."""
         for name, module in self.named_modules():
-            if not any(name == p or name.startswith(p + ".") for p in FP32_MODULES):
-                for param in module.parameters(recurse=False):
-                    param.data = param.data.to(dtype)
-            else:
-                for param in module.parameters(recurse=False):
-                    param.data = param.data.float()
+            target = torch.float32 if keeps_fp32(name, self.config) else dtype
+            for param in module.parameters(recurse=False):
+                param.data = param.data.to(target)
         return self
 
     def time_embedding(self, timestep: torch.Tensor) -> torch.Tensor:
+        if self.config.curve:
+            return curve_embedding(self.adaln_t_table, timestep)
         return self.time_embedder(timestep)
 
     def block_modulations(self, temb: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-        """Per-block AdaLN tables for these timesteps."""
-        return [block.adaln_proj(temb) for block in self.blocks]
+        """Per-block AdaLN tables for these timesteps, in the blocks' dtype (curve projections compute in fp32)."""
+        dtype = self.dtype
+        return [tuple(m.to(dtype) for m in block.adaln_proj(temb)) for block in self.blocks]
 
     def modulations(self, temb: torch.Tensor):
         """Every AdaLN table for these timesteps: per block, then the final layer's (shift, scale); the AdaLN

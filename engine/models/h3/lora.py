@@ -8,6 +8,12 @@ Accepted key spaces, all normalised onto our module names (= the original checkp
   diffusers     transformer.transformer_blocks.0.attn.to_q.lora_A.weight, ff.net.0.proj = [value; gate], ...
 Scale of a module: alpha / rank when an alpha is known (per-module `.alpha`, else a `__metadata__` "alpha" as a
 uniform network alpha), else 1.0; times the user's scale.
+
+Pruned (curve AdaLN) models: a full-model AdaLN LoRA (lora_A [r, 2688]) is projected onto the rank-8 curve input,
+A' = A·basisᵀ, with B·A·mean landing in the bias, when the model knows its basis (`adaln_basis`, `adaln_mean`;
+engine/models/h3/prune.py); the Comfy pruned files carry neither, so there it is refused by name, as is a LoRA
+of the time embedder the pruned model does not have. Quantized layers are merged through their float weight and
+stored again in their format; unmerging restores the stored bytes.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class LoraWeight(NamedTuple):
     A: torch.Tensor  # [rank, in_features]
     B: torch.Tensor  # [out_features, rank]
     alpha: float | None  # delta = alpha / rank * B @ A; None means alpha == rank
+    bias: torch.Tensor | None = None  # [out_features], scaled like B @ A (a projected AdaLN LoRA's mean term)
 
     @property
     def scale(self) -> float:
@@ -66,8 +73,28 @@ def parse_lora_spec(spec: str) -> tuple[str, float]:
     return spec, 1.0
 
 
-def _linear_modules(model: nn.Module) -> dict[str, nn.Linear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+def _linear_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Plain and quantized linear layers by name (a quantized one has `dequantized` / `requantize`)."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) or hasattr(m, "requantize")}
+
+
+def _is_adaln(module: str) -> bool:
+    return module.endswith("adaln_proj.linear")
+
+
+def _project_adaln(model: nn.Module, module: str, a: torch.Tensor, b: torch.Tensor, a_key: str, fail):
+    """A full-width AdaLN LoRA on a pruned model -> (A·basisᵀ, B·A·mean) in fp32."""
+    basis, mean = getattr(model, "adaln_basis", None), getattr(model, "adaln_mean", None)
+    if basis is None or mean is None:
+        fail(f"'{a_key}' is an AdaLN LoRA of the full model ({a.shape[1]} inputs), but this model is pruned (curve "
+             f"AdaLN, {model.config.time_embed_dim} inputs) and its file carries no basis to project it onto; use "
+             "a LoRA trained on the pruned model, or the full model")
+    if a.shape[1] != basis.shape[1]:
+        fail(f"'{a_key}' has {a.shape[1]} inputs; '{module}' takes {basis.shape[1]} (full) or {basis.shape[0]} "
+             "(pruned)")
+    a = a.float()
+    return a @ basis.T.float(), b.float() @ (a @ mean.float())
 
 
 def _kohya_names(modules) -> dict[str, str | None]:
@@ -124,6 +151,8 @@ def load_lora(path: str | Path, model: nn.Module) -> dict[str, LoraWeight]:
                 module, relation = diffusers_module_to_ours(module)
             except KeyError:
                 module = None
+        if module not in modules and getattr(model.config, "curve", False) and "time_embedder" in raw:
+            fail(f"key '{raw}' adapts the time embedder, which this pruned (curve AdaLN) model does not have")
         if module not in modules:
             fail(f"key '{raw}' does not name a linear module of the H3 DiT")
         group = groups.setdefault((module, relation), {})
@@ -157,10 +186,13 @@ def load_lora(path: str | Path, model: nn.Module) -> dict[str, LoraWeight]:
                      f"{[linear.out_features, linear.in_features]}")
             qkv.setdefault(module, {})[relation] = (a.float(), b.float() * scale, a_key)
             continue
+        bias = None
+        if model.config.curve and _is_adaln(module) and a.shape[1] != linear.in_features:
+            a, bias = _project_adaln(model, module, a, b, a_key, fail)
         if a.shape[1] != linear.in_features or b.shape[0] != linear.out_features:
             fail(f"'{b_key}' {list(b.shape)} / '{a_key}' {list(a.shape)} do not fit '{module}' "
                  f"{[linear.out_features, linear.in_features]}")
-        lora[module] = LoraWeight(a, b, alpha)
+        lora[module] = LoraWeight(a, b, alpha, bias)
 
     # Separate q/k/v LoRAs onto our fused qkv_proj: A's stacked, B block-diagonal (scales folded in B).
     for module, parts in qkv.items():
@@ -180,29 +212,43 @@ def load_lora(path: str | Path, model: nn.Module) -> dict[str, LoraWeight]:
 
 
 def merge_lora(model: nn.Module, lora: dict[str, LoraWeight], scale: float = 1.0) -> LoraHandle:
-    """W += scale * alpha / rank * B @ A for every module (fp32 math, written back in W's dtype).
-
-    Unmerge handles in reverse order of merging.
+    """W += scale * alpha / rank * B @ A for every module (fp32 math, written back in W's dtype; a quantized
+    layer is dequantized, patched and quantized again). Unmerge handles in reverse order of merging.
     """
     modules = _linear_modules(model)
     for name, w in lora.items():
         linear = modules.get(name)
-        if linear is None or tuple(linear.weight.shape) != (w.B.shape[0], w.A.shape[1]):
+        if linear is None or (linear.out_features, linear.in_features) != (w.B.shape[0], w.A.shape[1]):
             raise LoraError(f"LoRA module '{name}' does not fit the model")
     originals = {}
     with torch.no_grad():
         for name, w in lora.items():
-            weight = modules[name].weight
-            originals[name] = weight.detach().to("cpu", copy=True)
-            delta = w.B.to(weight.device, torch.float32) @ w.A.to(weight.device, torch.float32)
-            weight.copy_(weight.float() + delta * (scale * w.scale))
+            layer = modules[name]
+            touched = ["weight"] + (["weight_scale"] if hasattr(layer, "requantize") else []) + \
+                (["bias"] if w.bias is not None else [])
+            for attr in touched:
+                originals[f"{name}.{attr}"] = getattr(layer, attr).detach().to("cpu", copy=True)
+            device = layer.weight.device
+            delta = w.B.to(device, torch.float32) @ w.A.to(device, torch.float32) * (scale * w.scale)
+            if hasattr(layer, "requantize"):
+                layer.requantize(layer.dequantized(torch.float32) + delta)
+            else:
+                layer.weight.copy_(layer.weight.float() + delta)
+            if w.bias is not None:
+                layer.bias.copy_(layer.bias.float() + w.bias.to(device, torch.float32) * (scale * w.scale))
     bump_weights_version(model)
     return LoraHandle(originals)
 
 
 def unmerge_lora(model: nn.Module, handle: LoraHandle) -> None:
-    """Restore the weights a merge touched, bit for bit."""
+    """Restore the tensors a merge touched, bit for bit."""
     with torch.no_grad():
-        for name, original in handle.originals.items():
-            model.get_submodule(name).weight.copy_(original)
+        for key, original in handle.originals.items():
+            module, attr = key.rsplit(".", 1)
+            layer = model.get_submodule(module)
+            current = getattr(layer, attr)
+            if current.shape == original.shape and current.dtype == original.dtype:
+                current.copy_(original)
+            else:
+                setattr(layer, attr, original.to(current.device))
     bump_weights_version(model)

@@ -126,11 +126,38 @@ class H3Pipeline:
                    Conditioner.from_pretrained(root, dtype=dtype, device=device), FULL_CANVAS, device,
                    str(root), Path(models_dir))
 
+    @classmethod
+    def from_files(cls, dit: str | Path, text_encoder: str | Path, tokenizer_dir: str | Path, video_vae: str | Path,
+                   audio_vae: str | Path, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
+                   lora_root: str | Path | None = None, configs: dict | None = None,
+                   canvas: Canvas = FULL_CANVAS) -> "H3Pipeline":
+        """Comfy-Org single files (any DiT format, any text-encoder format, the two VAEs); the tokenizer and image
+        processor, which those files lack, come from `tokenizer_dir` (an official or diffusers models folder).
+        `configs` may override the released architectures ("text_encoder", "video_vae", "audio_vae", "layer")."""
+        from engine.models.h3.model_files import describe_file
+        from engine.models.h3.vae import load_audio_vae_file, load_video_vae_file
+
+        device, configs = torch.device(device), configs or {}
+        conditioner = Conditioner.from_single_file(text_encoder, tokenizer_dir, configs.get("text_encoder"),
+                                                   dtype=dtype, device=device,
+                                                   **({"layer": configs["layer"]} if "layer" in configs else {}))
+        pipe = cls(load_dit(dit, dtype=dtype, device=device),
+                   load_video_vae_file(video_vae, configs.get("video_vae")).to(device),
+                   load_audio_vae_file(audio_vae, configs.get("audio_vae")).to(device), conditioner, canvas, device,
+                   Path(dit).name, Path(lora_root) if lora_root else None)
+        pipe.files = {role: describe_file(path) for role, path in (
+            ("dit", dit), ("text_encoder", text_encoder), ("video_vae", video_vae), ("audio_vae", audio_vae))}
+        return pipe
+
     def describe(self) -> dict:
         c = self.dit.config
+        formats = sorted({type(m).__name__ for m in self.dit.modules() if hasattr(m, "requantize")})
         return {"model": "MiniMax-H3", "weights": self.name, "device": str(self.device),
+                "files": getattr(self, "files", None),
                 "dit": {"layers": c.num_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
-                        "dtype": str(self.dit.dtype).removeprefix("torch.")},
+                        "dtype": str(self.dit.dtype).removeprefix("torch."),
+                        "adaln": f"curve (pruned, rank {c.time_embed_dim})" if c.curve else "full",
+                        "quantized_layers": formats},
                 "canvas": {"short_edge": self.canvas.short_edge, "max_pixels": self.canvas.max_pixels},
                 "default_steps": self.canvas.default_steps, "vsa_sparsity": self.vsa_sparsity,
                 "adaln_cache": self.adaln_cache.stats() if self.adaln_cache else None,

@@ -559,3 +559,61 @@ __all__ = [
     "VideoVAE", "AudioVAE", "build_tiny_video_vae", "build_tiny_audio_vae", "convert_original_video_vae",
     "original_video_vae_plan", "VIDEO_LATENTS_MEAN", "VIDEO_LATENTS_STD", "AUDIO_LATENTS_MEAN", "AUDIO_LATENTS_STD",
 ]
+
+
+# --- Comfy-Org single files ------------------------------------------------------------------------------------
+# `minimax_h3_video_vae_fp16.safetensors`: the original key names in F16 plus `latents_mean` / `latents_std`
+# buffers; `minimax_h3_audio_vae_fp32.safetensors`: the original names with every weight norm folded into a plain
+# `.weight`, plus the same two buffers. Both load into fp32 diffusers models.
+
+COMFY_VAE_PREFIXES = ("first_stage_model.", "vae.")
+LATENT_STATS = ("latents_mean", "latents_std")
+# audio_vae/metadata.json of the release (spec §7.4)
+FULL_AUDIO_KWARGS = dict(encoder_dim=64, encoder_rates=[2, 4, 4, 5, 5], latent_dim=2048, vae_latent_channels=32,
+                         decoder_dim=1024, decoder_rates=[5, 5, 2, 2, 2, 2, 2], decoder_type="bigvgan",
+                         attn_proj=True, sample_rate=32000)
+
+
+def _single_file_items(path: Path, stats: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, fp32 tensor) pairs of a Comfy VAE file without its common prefix; the latent statistics go to `stats`."""
+    with safe_open(path, framework="pt", device="cpu") as f:
+        keys = list(f.keys())
+        prefix = next((p for p in COMFY_VAE_PREFIXES if keys and all(k.startswith(p) for k in keys)), "")
+        for key in keys:
+            name = key[len(prefix):]
+            if name in LATENT_STATS:
+                stats[name] = f.get_tensor(key).float().flatten().tolist()
+            else:
+                yield name, f.get_tensor(key).float()
+
+
+def _latent_stats(stats: dict, path: Path) -> tuple[list, list]:
+    for name in LATENT_STATS:
+        if name not in stats:
+            raise ValueError(f"missing key {name!r} in {path.name} (a Comfy VAE file carries its latent statistics)")
+    return stats["latents_mean"], stats["latents_std"]
+
+
+def load_video_vae_file(path: str | Path, config: dict | None = None) -> VideoVAE:
+    """The Comfy video VAE single file (F16 weights upcast to fp32); `config` defaults to the released one."""
+    path = Path(path)
+    with no_init_weights():
+        model = AutoencoderKLMiniMaxH3(**(config or video_vae_config_from_original({}, {})))
+    stats: dict = {}
+    _load_strict(model, convert_original_video_vae(_single_file_items(path, stats), model, path.name), path.name)
+    return VideoVAE(model, *_latent_stats(stats, path))
+
+
+def load_audio_vae_file(path: str | Path, config: dict | None = None) -> AudioVAE:
+    """The Comfy audio VAE single file: weight norms are removed from the model, which then takes the folded
+    weights as they are; `config` defaults to the released one."""
+    path = Path(path)
+    with no_init_weights():
+        model = AutoencoderKLMiniMaxH3Audio(
+            **(config or audio_vae_config_from_original({"metadata": {"kwargs": FULL_AUDIO_KWARGS}}, {})))
+    for module in model.modules():
+        if hasattr(module, "weight_g"):
+            torch.nn.utils.remove_weight_norm(module)
+    stats: dict = {}
+    _load_strict(model, _single_file_items(path, stats), path.name)
+    return AudioVAE(model, *_latent_stats(stats, path))

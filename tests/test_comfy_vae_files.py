@@ -1,0 +1,98 @@
+"""Comfy-Org VAE single files (F16 video VAE with latent statistics, F32 audio VAE with weight norm folded), tiny
+versions written by the tests in that schema, load into the diffusers classes strictly."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.models.h3.checkpoint import interleave_qkv, swap_halves
+from engine.models.h3.vae import (TINY_AUDIO_VAE, TINY_VIDEO_VAE,
+                                  build_tiny_audio_vae, build_tiny_video_vae, load_audio_vae_file,
+                                  load_video_vae_file, original_video_vae_plan)
+
+
+def comfy_video_vae_file(vae, path, prefix=""):
+    sd = vae.model.state_dict()
+    out = {}
+    for original, targets in original_video_vae_plan(vae.model).items():
+        if ".attn.to_qkv." in original:
+            tensor = interleave_qkv(torch.cat([sd[t] for t in targets]), vae.model.config.decoder_num_attention_heads)
+        elif ".ff.w1." in original:
+            tensor = swap_halves(sd[targets[0]])
+        else:
+            tensor = sd[targets[0]]
+        out[prefix + original] = tensor.half()
+    out[prefix + "decoder.mask_token"] = torch.zeros(1, 1, vae.model.config.decoder_num_attention_heads * 16).half()
+    out[prefix + "latents_mean"] = torch.tensor(vae.latents_mean_values)
+    out[prefix + "latents_std"] = torch.tensor(vae.latents_std_values) * 2  # proves the file's stats are used
+    save_file({k: v.contiguous() for k, v in out.items()}, path)
+    return path
+
+
+def comfy_audio_vae_file(vae, path):
+    out = {}
+    for name, module in vae.model.named_modules():
+        if hasattr(module, "weight_g"):
+            out[f"{name}.weight"] = torch._weight_norm(module.weight_v, module.weight_g, 0).detach()
+    for key, value in vae.model.state_dict().items():
+        if not key.endswith((".weight_g", ".weight_v")):
+            out[key] = value
+    out["latents_mean"] = torch.tensor(vae.latents_mean_values)
+    out["latents_std"] = torch.tensor(vae.latents_std_values)
+    save_file({k: v.contiguous() for k, v in out.items()}, path)
+    return path
+
+
+@pytest.mark.parametrize("prefix", ["", "first_stage_model."])
+def test_video_vae_fp16_file(tmp_path, prefix):
+    vae = build_tiny_video_vae(seed=2)
+    path = comfy_video_vae_file(vae, tmp_path / "minimax_h3_video_vae_fp16.safetensors", prefix)
+    loaded = load_video_vae_file(path, dict(TINY_VIDEO_VAE))
+    for key, value in vae.model.state_dict().items():
+        assert loaded.model.state_dict()[key].dtype == torch.float32
+        assert torch.equal(loaded.model.state_dict()[key], value.half().float()), key
+    assert loaded.latents_mean_values == vae.latents_mean_values
+    assert loaded.latents_std_values == tuple((torch.tensor(vae.latents_std_values) * 2).tolist())
+    z = torch.randn(1, 24, 7, 2, 2)
+    reference = build_tiny_video_vae(seed=2)
+    reference.model.load_state_dict({k: v.half().float() for k, v in reference.model.state_dict().items()})
+    assert torch.allclose(loaded.model.decode(z).sample, reference.model.decode(z).sample, atol=1e-5)
+
+
+def test_video_vae_file_missing_key(tmp_path):
+    path = comfy_video_vae_file(build_tiny_video_vae(), tmp_path / "v.safetensors")
+    tensors = load_file(path)
+    tensors.pop("decoder.transformer_blocks.1.attn.to_out.bias")
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"missing key 'decoder.transformer_blocks.1.attn.to_out.bias' in "
+                                         r"v.safetensors"):
+        load_video_vae_file(path, dict(TINY_VIDEO_VAE))
+
+
+def test_video_vae_file_without_statistics(tmp_path):
+    path = comfy_video_vae_file(build_tiny_video_vae(), tmp_path / "v.safetensors")
+    tensors = load_file(path)
+    tensors.pop("latents_std")
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"missing key 'latents_std' in v.safetensors"):
+        load_video_vae_file(path, dict(TINY_VIDEO_VAE))
+
+
+def test_audio_vae_fp32_file_weight_norm_folded(tmp_path):
+    vae = build_tiny_audio_vae(seed=4)
+    path = comfy_audio_vae_file(vae, tmp_path / "minimax_h3_audio_vae_fp32.safetensors")
+    assert not any(k.endswith("weight_g") for k in load_file(path))
+    loaded = load_audio_vae_file(path, dict(TINY_AUDIO_VAE))
+    z = torch.randn(1, 32, 1)
+    assert torch.allclose(loaded.decode(z), vae.decode(z), atol=1e-5)
+    wave = torch.randn(1, 2400) * 0.1
+    assert torch.allclose(loaded.encode(wave, 32000), vae.encode(wave, 32000), atol=1e-4)
+
+
+def test_audio_vae_file_unexpected_key(tmp_path):
+    path = comfy_audio_vae_file(build_tiny_audio_vae(), tmp_path / "a.safetensors")
+    tensors = load_file(path)
+    tensors["decoder.conv_post.weight_g"] = torch.ones(1, 1, 1)
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"unexpected key 'decoder.conv_post.weight_g' in a.safetensors"):
+        load_audio_vae_file(path, dict(TINY_AUDIO_VAE))
