@@ -39,7 +39,8 @@ MIN_REVERSAL = 0.008  # ... by at least this share of the canvas ...
 EDGE_MARGIN = 0.05  # ... with the object this near the floor or the wall (share of the canvas)
 BACKGROUND_MATCH_DISTANCE = 40.0
 BACKGROUND_SHARE = 0.6  # of the pixels outside objects that match the background
-FRAME_STRIDE = 4  # background and SSIM look at every 4th frame
+FRAME_STRIDE = 4  # the background and the mean colour are judged on every 4th frame
+SSIM_FRAMES = 8  # SSIM against the ground truth on this many frames spread over the clip
 # Sound
 CLICK_HOP = 32  # samples (1 ms)
 CLICK_RATIO = 10.0  # a click hop's high-band power over the clip's median hop
@@ -360,6 +361,8 @@ def score_clip(frames, audio, caption_or_scene: str | SceneDescription | Scene, 
     if scene is not None:
         truth = render(scene, width, height, num_frames=num_frames).frames
         measured["psnr"] = psnr(frames, truth)
-        measured["ssim"] = ssim(frames[::FRAME_STRIDE], truth[::FRAME_STRIDE])
-        measured["delta_e"] = float(delta_e76(mean_colour_lab(frames), mean_colour_lab(truth)))
+        spread = np.unique(np.linspace(0, num_frames - 1, SSIM_FRAMES).round().astype(int))
+        measured["ssim"] = ssim(frames[spread], truth[spread])
+        measured["delta_e"] = float(delta_e76(mean_colour_lab(frames[::FRAME_STRIDE]),
+                                              mean_colour_lab(truth[::FRAME_STRIDE])))
     return {"checks": checks, "measurements": measured, "detected": detected}
