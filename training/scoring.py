@@ -56,8 +56,8 @@ PAN_MIN_CORRELATION = 0.8
 PAN_MIN_TRAVEL = 0.05  # std of x (share of the width) above which pan must also correlate with x
 RAIN_LEVEL = 0.025  # median RMS of the high band with rain falling
 
-# Object colours first, so a label below len(COLOURS) is an object.
-PALETTE_RGB = np.array([*COLOURS.values(), *(rgb for parts in BACKGROUNDS.values() for rgb in parts)], np.float32)
+BACKGROUND_RGB = np.array(list(dict.fromkeys(rgb for parts in BACKGROUNDS.values() for rgb in parts)), np.float32)
+PALETTE_RGB = np.concatenate([np.array(list(COLOURS.values()), np.float32), BACKGROUND_RGB])  # objects first
 
 
 class ScoreInputError(ValueError):
@@ -77,9 +77,6 @@ class Track:
 
     def first(self, n: int) -> Track:
         return Track(*(getattr(self, f.name)[:n] for f in fields(self)))
-
-
-BACKGROUND_RGB = np.array(list(dict.fromkeys(rgb for parts in BACKGROUNDS.values() for rgb in parts)), np.float32)
 
 
 def _cell_colours() -> np.ndarray:
@@ -108,7 +105,7 @@ def _cells(frames: np.ndarray) -> np.ndarray:
 
 
 def colour_labels(frames: np.ndarray) -> np.ndarray:
-    """int8 [F, H, W]: index into PALETTE_RGB or -1 for no toy colour."""
+    """int8 [F, H, W]: index into PALETTE_RGB (below len(COLOURS): an object colour) or -1 for no toy colour."""
     return _label_table()[_cells(frames)]
 
 
@@ -286,8 +283,8 @@ def score_clip(frames, audio, caption_or_scene: str | SceneDescription | Scene, 
                fps: float = FPS) -> dict[str, dict]:
     """{"checks": name -> bool, "measurements": name -> number, "detected": name -> what was found}.
 
-    checks: colour (every object's colour present in >= 80 % of frames), size, motion, background, and with
-    humming pitch and pan; clicks (every contact has a click within +-2 frames and every click a contact) when
+    checks: colour (every object's colour present in >= 80 % of frames), size (when named, not for grows or
+    shrinks), motion, background, and with humming pitch and pan; clicks (every contact has a click within +-2 frames and every click a contact) when
     something bounces or a contact or click is found; rain (noise present exactly when rain is named).
     Per-object entries are keyed "<index>.<name>".
     """

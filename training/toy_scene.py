@@ -183,13 +183,14 @@ def _sample_object(rng: np.random.Generator, colour: str, width: int, height: in
         lead = rng.uniform(0, hi - lo - travel)
         start = (lo + lead if sign > 0 else hi - lead) / extent
         x, y = (start, y) if axis == 0 else (x, start)
-        return ToyObject(shape, colour, size, motion, x, y, speed=travel / CLEAR_SECONDS / extent)
+        return ToyObject(shape, colour, size, motion, float(x), float(y), speed=float(travel / CLEAR_SECONDS / extent))
     if motion == "bounces":
         lo, hi = _range_px(shape, s, 1, width, height)
-        obj = ToyObject(shape, colour, size, motion, x, y, bounce_height=rng.uniform(*BOUNCE_HEIGHT_SHARE) * (hi - lo)
-                        / height, bounce_period=rng.uniform(*BOUNCE_PERIOD_S), bounce_phase=rng.uniform(*BOUNCE_PHASE))
+        apex = float(rng.uniform(*BOUNCE_HEIGHT_SHARE) * (hi - lo) / height)
+        obj = ToyObject(shape, colour, size, motion, float(x), float(y), bounce_height=apex,
+                        bounce_period=float(rng.uniform(*BOUNCE_PERIOD_S)), bounce_phase=float(rng.uniform(*BOUNCE_PHASE)))
         return replace(obj, y=float(centroid_px(obj, 0.0, width, height)[1]) / height)
-    return ToyObject(shape, colour, size, motion, x, y)
+    return ToyObject(shape, colour, size, motion, float(x), float(y))
 
 
 def _apart(a: ToyObject, b: ToyObject, width: int, height: int) -> bool:

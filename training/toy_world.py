@@ -24,7 +24,7 @@ MAX_FRAMES = 362  # 15 s snapped up to 17n + 5, the longest window
 FRAMES_PER_CHUNK = 32  # frames drawn at once: bounds memory at large canvases
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ToyClip:
     scene: Scene
     frames: np.ndarray  # uint8 [F, H, W, 3]
@@ -119,14 +119,16 @@ def render(scene: Scene, width: int = DEFAULT_WIDTH, height: int = DEFAULT_HEIGH
            num_frames: int | None = None) -> ToyClip:
     """Draw and voice a scene. `num_frames` (any count from 1, e.g. 1 for a keyframe) overrides `seconds`
     (snapped up to 17n + 5)."""
-    if not (isinstance(width, int) and isinstance(height, int) and width >= 16 and height >= 16):
+    if not (isinstance(width, (int, np.integer)) and isinstance(height, (int, np.integer)) and min(width, height) >= 16):
         raise ValueError(f"The canvas must be whole pixels, at least 16x16; got {width}x{height}.")
+    width, height = int(width), int(height)
     if num_frames is None:
         if not 0 < seconds <= MAX_FRAMES / FPS:
             raise ValueError(f"A toy clip lasts more than 0 and at most 15 s, got {seconds} s.")
         num_frames = frames_for_seconds(seconds)
-    if not (isinstance(num_frames, int) and 1 <= num_frames <= MAX_FRAMES):
+    if not (isinstance(num_frames, (int, np.integer)) and 1 <= num_frames <= MAX_FRAMES):
         raise ValueError(f"A toy clip has 1 to {MAX_FRAMES} frames (15 s), got {num_frames}.")
+    num_frames = int(num_frames)
     t = np.arange(num_frames) / FPS
     centroids = np.stack([np.stack(centroid_px(o, t, width, height), -1) for o in scene.objects]).astype(np.float32)
     sizes = np.stack([size_px(o, t, height) for o in scene.objects]).astype(np.float32)
