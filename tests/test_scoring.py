@@ -40,7 +40,8 @@ def test_the_generators_clips_pass_every_check(scenes):
         score = score_clip(clip.frames, clip.audio, clip.caption)
         assert not failed(score), (clip.caption, score)
         checked |= set(score["checks"])
-        assert score["detected"]["clicks"] == list(clip.click_frames) or not clip.click_frames
+        heard = score["detected"]["clicks"]
+        assert all(min(abs(np.array(heard) - f)) <= 1 for f in clip.click_frames), (clip.click_frames, heard)
     assert checked == {"colour", "size", "motion", "background", "pitch", "pan", "clicks", "rain"}
 
 
