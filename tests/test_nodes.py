@@ -80,14 +80,18 @@ def test_text_to_video_end_to_end(t2va):
 
     (bar,) = bars
     assert bar.node_id == "7"
-    assert [(value, total) for value, total, _ in bar.updates] == [(1, STEPS - 1), (2, STEPS - 1)]
+    # The bar counts each phase the engine reports: the denoise steps, then the decode's chunks to their end.
+    updates = [(value, total) for value, total, _ in bar.updates]
+    assert updates[:3] == [(0, STEPS - 1), (1, STEPS - 1), (2, STEPS - 1)]
+    assert len(updates) > 3 and updates[-1][0] == updates[-1][1]
     previews = [preview for _, _, preview in bar.updates if preview is not None]
     assert previews, "no live preview reached the progress bar"  # the engine sends at most 4 a second
     for kind, image, max_size in previews:
         assert kind == "JPEG" and isinstance(image, Image.Image) and image.mode == "RGB" and max_size > 0
     mine = [text for node_id, text in texts if node_id == "7"]
     assert mine and all(text.startswith("H3Forge: ") for text in mine)
-    assert any("denoising 2/2" in text for text in mine) and "done" in mine[-1]
+    assert any("denoising 2/2" in text for text in mine) and any(text.startswith("H3Forge: decoding") for text in mine)
+    assert "done" in mine[-1]
 
 
 def test_first_frame_runs_fl2va(settings):
