@@ -102,10 +102,9 @@ class VAEConfig:
 VAE = VAEConfig()
 TINY_VAE = VAEConfig(block_out_channels=(16, 16, 16, 16), layers_per_block=1, norm_groups=4)
 
-# What the named resolutions mean on the tiny presets (the short edge in pixels, from the tiny H3 canvas's 128 up),
-# and the largest output area they make (448x256, twice that canvas's sides), so a 5 s clip upscales to "1080p"
-# in about half a minute on two CPU cores (the tiny VAE's full-resolution convolutions dominate). Real weights keep
-# the real sizes.
+# What the named resolutions mean on the tiny presets (the short edge in pixels, from the tiny H3 canvas's 128 up)
+# and the largest output area they make (448x256, twice that canvas's sides): the tiny VAE's full-resolution
+# convolutions dominate an upscale on a CPU, so the sizes stay near the canvas. Real weights keep the real sizes.
 TINY_RESOLUTIONS = {"720p": 128, "1080p": 144, "1440p": 176, "2k": 176, "2160p": 224, "4k": 224}
 TINY_MAX_PIXELS = 448 * 256
 
