@@ -292,8 +292,9 @@ def point_at_test_engine(prompt: dict, engine_port: int) -> dict:
 
 
 def run_prompt(comfy: Comfy, prompt: dict) -> tuple[dict, dict[str, float]]:
-    """Queues the prompt and follows it on ComfyUI's WebSocket; returns its /history outputs and the seconds each
-    node ran (ComfyUI runs one node at a time: a node runs until the next one starts). A prompt still running after
+    """Queues the prompt and follows it on ComfyUI's WebSocket; returns its /history outputs and the seconds from
+    each node's `executing` event to the next one (the node's time for blocking nodes; async nodes overlap, so for
+    them it is only a hint). A prompt still running after
     RUN_TIMEOUT_S is interrupted (the nodes cancel their engine job), so that the next workflow starts on an idle
     ComfyUI."""
     try:
