@@ -193,6 +193,14 @@ GRAPH_REPORT_JS = """
 }
 """
 
+# Previews drawn on the canvas (node.imgs: Load Image) and held in DOM widgets (<video>: Load Video) have loaded.
+MEDIA_LOADED_JS = """
+window.app.graph.nodes.every((n) => (n.imgs ?? []).every((i) => i.complete && i.naturalWidth > 0)) &&
+[...document.querySelectorAll("video")].every((v) => v.readyState >= 2) &&
+(window.app.canvas.setDirty(true, true), true)
+"""
+MEDIA_WAIT_S = 15
+
 # Registered before the load: the frontend hands this hook the node types it found no definition for.
 MISSING_HOOK_JS = """
 window.app.registerExtension({
@@ -241,7 +249,10 @@ async def load_workflow(browser: Browser, comfy_url: str, workflow: dict, timeou
                                    timeout=deadline - time.monotonic())
                 await tab.evaluate('Promise.resolve(window.app.extensionManager.command.execute("Comfy.Canvas.FitView"))'
                                    '.then(() => true)')  # the whole graph in the screenshot
-                await asyncio.sleep(settle_s)  # late errors (widget callbacks, image previews) and a drawn canvas
+                await asyncio.sleep(settle_s)  # late errors (widget callbacks) and a drawn canvas
+                with contextlib.suppress(TimeoutError):  # image and video previews in the screenshot, if they load
+                    await tab.wait_for(MEDIA_LOADED_JS, min(MEDIA_WAIT_S, deadline - time.monotonic()), "media")
+                    await asyncio.sleep(0.5)  # the canvas redraws on the next animation frame
                 result = await tab.evaluate(f"({GRAPH_REPORT_JS})({json.dumps(workflow)})")
                 shot = await tab.send("Page.captureScreenshot", format="png", timeout=deadline - time.monotonic())
                 tab.reader.cancel()

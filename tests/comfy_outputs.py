@@ -73,6 +73,7 @@ class Expect:
     size: tuple[int, int] | None = None  # exact (width, height)
     aspect: float | None = None  # width / height, within 5 %
     short_side: int | None = None
+    min_short_side: int | None = None
     multiple_of: int = 1
 
     def problems(self, clip: Clip) -> list[str]:
@@ -92,6 +93,8 @@ class Expect:
             out.append(f"{clip.width}x{clip.height} is not {self.aspect:.3f}:1")
         if self.short_side and min(clip.width, clip.height) != self.short_side:
             out.append(f"{clip.width}x{clip.height}: short side is not {self.short_side}")
+        if self.min_short_side and min(clip.width, clip.height) < self.min_short_side:
+            out.append(f"{clip.width}x{clip.height}: short side below {self.min_short_side}")
         if clip.width % self.multiple_of or clip.height % self.multiple_of:
             out.append(f"{clip.width}x{clip.height} is not a multiple of {self.multiple_of}")
         return [f"{self.what}: {p}" for p in out]
@@ -105,7 +108,7 @@ def source_node(prompt: dict, link) -> tuple[str, dict]:
     return link[0], prompt[link[0]]
 
 
-def expectation(prompt: dict, link, source_clips: dict[str, Clip]) -> Expect:
+def expectation(prompt: dict, link, source_clips: dict[str, Clip], real_weights: bool = True) -> Expect:
     """What the VIDEO coming out of `link` ([node id, slot]) must be. `source_clips`: the input videos by file name
     (for LoadVideo, and for the nodes that keep their source's length, rate or sound)."""
     made_by, node = source_node(prompt, link)
@@ -122,28 +125,32 @@ def expectation(prompt: dict, link, source_clips: dict[str, Clip]) -> Expect:
             aspect = 1344 / 768 if "first_frame" in inputs else 16 / 9
         return Expect(what, (frames, frames), FPS, True, aspect=aspect, multiple_of=32)
     if kind == "H3ForgeExtendVideo":
-        before = expectation(prompt, inputs["source"], source_clips)
+        before = expectation(prompt, inputs["source"], source_clips, real_weights)
         add = round(inputs["seconds"] * FPS)  # the last window ends on the 17n + 5 grid: up to 16 frames more
         return Expect(what, (before.frames[0] + add, before.frames[1] + add + 16), FPS, True, aspect=before.aspect,
                       multiple_of=32)
     if kind == "H3ForgeMaskedEdit":
-        before = expectation(prompt, inputs["source"], source_clips)
+        before = expectation(prompt, inputs["source"], source_clips, real_weights)
         return Expect(what, before.frames, FPS, True, aspect=before.aspect, multiple_of=32)
     if kind == "H3ForgeUpscale":
-        before = expectation(prompt, inputs["source"], source_clips)
-        return Expect(what, before.frames, before.fps, before.audio, aspect=before.aspect,
-                      short_side=RESOLUTIONS.get(inputs["resolution"]), multiple_of=2)
+        before = expectation(prompt, inputs["source"], source_clips, real_weights)
+        # The embedded default maps the named resolutions to its small canvas (1080p: a 144-px short edge), so there
+        # only "larger than the source" is checked.
+        short = RESOLUTIONS.get(inputs["resolution"]) if real_weights else None
+        larger = None if real_weights or before.size is None else min(before.size) + 1
+        return Expect(what, before.frames, before.fps, before.audio, aspect=before.aspect, short_side=short,
+                      min_short_side=larger, multiple_of=2)
     if kind == "CreateVideo":
-        frames = image_frames(prompt, inputs["images"], source_clips)
+        frames = image_frames(prompt, inputs["images"], source_clips, real_weights)
         return Expect(what, frames, float(inputs["fps"]), "audio" in inputs)
     raise AssertionError(f"no expectation for a video from {kind}: add one to tests/comfy_outputs.py")
 
 
-def image_frames(prompt: dict, link, source_clips: dict[str, Clip]) -> tuple[int, int]:
+def image_frames(prompt: dict, link, source_clips: dict[str, Clip], real_weights: bool) -> tuple[int, int]:
     """Frame count of an IMAGE batch: a Mask Preview overlay has its video's frames."""
     _, node = source_node(prompt, link)
     if node["class_type"] == "H3ForgeMaskPreview" and "video" in node["inputs"]:
-        return expectation(prompt, node["inputs"]["video"], source_clips).frames
+        return expectation(prompt, node["inputs"]["video"], source_clips, real_weights).frames
     raise AssertionError(f"no frame count for images from {node['class_type']}: add it to tests/comfy_outputs.py")
 
 
