@@ -9,6 +9,7 @@ run the same command on every node; rank 0 (on whichever node it lands) serves.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 RANK_WORKER_FLAG = "--rank-worker"
@@ -32,6 +33,11 @@ def launch_ranks(serve_argv: list[str], gpus: int, nnodes: int = 1, rdzv_endpoin
     from torch.distributed.run import main as torchrun
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    # A closed terminal (SIGHUP) must not end a serving engine: torchrun would stop the ranks on it, so it handles
+    # only the stopping signals, and this process logs a hangup and goes on (the ranks do the same).
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGQUIT")
+    signal.signal(signal.SIGHUP, lambda *_: print("H3Forge engine: SIGHUP ignored (stop the engine with SIGTERM or "
+                                                  "Ctrl-C)", file=sys.stderr, flush=True))
     try:
         torchrun(torchrun_argv(serve_argv, gpus, nnodes, rdzv_endpoint))
     except ChildFailedError as exc:

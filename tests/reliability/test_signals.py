@@ -42,6 +42,16 @@ def test_sighup_is_logged_and_ignored(signalled_engine, recorder):
         normal_job_succeeds(engine)
 
 
+def test_sighup_to_a_two_rank_engine_is_ignored_by_torchrun_and_every_rank(tmp_path, recorder):
+    """A closed terminal hangs up the engine's process group: torchrun's agent (which would stop the ranks on it) logs
+    it and goes on, and so does every rank it reaches."""
+    with start_engine(tmp_path, "--gpus", "2") as engine, recorder.case("signals", "sighup_ranks", engine):
+        os.killpg(engine.process.pid, signal.SIGHUP)
+        asyncio.run(wait_until(lambda: "SIGHUP ignored" in engine.log(), 10, "the agent's SIGHUP line"))
+        assert engine.process.poll() is None and serving(engine)
+        normal_job_succeeds(engine)
+
+
 def test_sigterm_closes_every_client_with_a_reason_and_exits_within_10_s(signalled_engine, recorder):
     engine = signalled_engine
 
