@@ -15,6 +15,8 @@ import pytest
 from engine_fixture import start_engine
 from test_server import next_control
 
+from engine.server.guard import ACCEPT_BACKLOG
+
 from .helpers import Footprint, health, normal_job_succeeds, open_fds, serving
 
 ENGINE_ARGS = ["--client-timeout-s", "2"]
@@ -119,7 +121,8 @@ def test_300_half_open_connections_under_ulimit_256_leave_health_answering(low_f
                       f"engine held {fds_held} fds ({open_now} of the 300 still open), /v1/health answered in "
                       f"{1000 * health_s:.0f} ms; {len(log.splitlines())} log lines ({len(log)} bytes)")
         assert answered is not None and answered["state"] == "ready"
-        assert fds_held < 256 and open_now <= cap
+        # Connections still waiting in the kernel's accept queue are open from the client's side, not yet the engine's.
+        assert fds_held < 256 and open_now <= cap + ACCEPT_BACKLOG + 1
         assert len(log.splitlines()) < 20 and "Traceback" not in log, log[-2000:]
         normal_job_succeeds(engine)
         assert serving(engine)
