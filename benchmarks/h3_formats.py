@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import RESULTS, log, save, stage  # noqa: E402
+from benchmarks.timing import timed  # noqa: E402
 from engine.kernels import attention as attn  # noqa: E402
 from engine.kernels import vsa  # noqa: E402
 from engine.models.h3 import layout as L  # noqa: E402
@@ -50,17 +51,6 @@ GEMMS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 TINY = H3Config(num_attention_heads=2, attention_head_dim=128, hidden_size=256, num_layers=2, num_refiner_layers=1,
                 ffn_dim=512, text_dim=64, freq_dim=32, time_embed_hidden_dim=256, time_embed_dim=128,
                 rope_freq_dim=16)
-
-
-def timed(fn, sync, warmup=1, iters=3) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters * 1e3
 
 
 def gib(n: float) -> float:

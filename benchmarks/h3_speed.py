@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import RESULTS, log, save, stage  # noqa: E402
+from benchmarks.timing import timed  # noqa: E402
 from engine.io.convert import to_uint8_frames  # noqa: E402
 from engine.kernels import attention as attn  # noqa: E402
 from engine.kernels import vsa  # noqa: E402
@@ -35,17 +36,6 @@ from engine.models.h3.config import FULL, NUM_MODALITIES, TEXT_TAG, TINY  # noqa
 from engine.models.h3.dit import build_dit, rope_table  # noqa: E402
 
 ROUNDS = 3
-
-
-def timed(fn, sync, warmup=1, iters=3) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters * 1e3
 
 
 def dit_step(args, device, sync):
