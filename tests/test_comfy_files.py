@@ -14,12 +14,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from engine.models.h3.checkpoint import CheckpointError, load_dit, save_dit
-from engine.models.h3.config import TEXT_TAG, H3Config
+from engine.models.h3.config import H3Config
 from engine.models.h3.dit import build_dit, curve_embedding
-from engine.models.h3.layout import build_layout, row_timesteps
 from engine.models.h3.prune import curve_samples, prune_adaln
 from engine.quant import fp8, int8_convrot
 from engine.quant.transform import QuantSpec, quantize_linears
+from test_checkpoint import forward as checkpoint_forward
 
 # Every GEMM input width (hidden 256, inner 256, ffn 512) is a multiple of ConvRot's 256; the unpruned AdaLN
 # input (time_embed_dim 128) of its 64.
@@ -76,18 +76,9 @@ def full16(full):
     return published(full)
 
 
-def forward(model, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    c = model.config
-    layout = build_layout(torch.full((5,), TEXT_TAG), num_latent_frames=2, latent_height=4, latent_width=6,
-                          num_audio_latents=3, keyframes=("first",))
-    timestep, idx = row_timesteps(layout, 0.4, 0.7)
-    video = torch.randn(1, layout.video_indices.numel(), c.video_patch_dim, generator=gen)
-    audio = torch.randn(1, layout.audio_indices.numel(), c.audio_in_channels, generator=gen)
-    text = torch.randn(1, layout.num_text, c.text_dim, generator=gen)
-    with torch.no_grad():
-        v, a = model(video, audio, text, timestep, idx, layout.token_tags, layout.position_ids.float(),
-                     layout.video_indices, layout.audio_indices, layout.text_indices)
+def forward(model):
+    """The tiny DiT's video and audio outputs on test_checkpoint's layout, as one vector."""
+    v, a = checkpoint_forward(model)
     return torch.cat([v.flatten(), a.flatten()])
 
 
