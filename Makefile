@@ -19,4 +19,4 @@ demo: $(VENV)/.installed
 	$(PY) -m engine demo --out demo.mp4
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25

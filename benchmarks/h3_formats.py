@@ -164,7 +164,8 @@ def measure(args, name, path, work, reference, device, sync):
                 reference[frames]["gemms_ms"] = row[f"{frames}_gemms_ms"]
             row[f"{frames}_gemms_speedup_vs_bf16"] = round(reference[frames]["gemms_ms"] / row[f"{frames}_gemms_ms"], 3)
     qkv = model.blocks[0].attn.qkv_proj
-    row["gemm_path"] = ("_scaled_mm" if getattr(qkv, "scaled_mm", False) else "_int_mm W8A8"
+    int8_gemm = "Triton int8 W8A8" if qkv.weight.is_cuda else "_int_mm W8A8"
+    row["gemm_path"] = ("_scaled_mm" if getattr(qkv, "scaled_mm", False) else int8_gemm
                         if getattr(qkv, "int_mm", False) else "dequantized" if hasattr(qkv, "requantize")
                         else str(args.dtype).removeprefix("torch."))
     log(f"{name}: {row}")

@@ -3,6 +3,7 @@
 from .edit import H3ForgeMaskedEdit
 from .engine_node import H3ForgeEngine
 from .extend import H3ForgeExtendVideo
+from .lora import H3ForgeLora
 from .masks import (H3ForgeMaskFeather, H3ForgeMaskFrameRange, H3ForgeMaskGrow, H3ForgeMaskPreview,
                     H3ForgeMaskTrackBox)
 from .preview import H3ForgePreview
@@ -14,6 +15,7 @@ NODE_CLASS_MAPPINGS = {
     "H3ForgeTextToVideo": H3ForgeTextToVideo,
     "H3ForgeMaskedEdit": H3ForgeMaskedEdit,
     "H3ForgeExtendVideo": H3ForgeExtendVideo,
+    "H3ForgeLora": H3ForgeLora,
     "H3ForgeMaskPreview": H3ForgeMaskPreview,
     "H3ForgeMaskFrameRange": H3ForgeMaskFrameRange,
     "H3ForgeMaskTrackBox": H3ForgeMaskTrackBox,
@@ -28,6 +30,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "H3ForgeTextToVideo": "H3Forge Text to Video (+ audio)",
     "H3ForgeMaskedEdit": "H3Forge Masked Edit",
     "H3ForgeExtendVideo": "H3Forge Extend Video",
+    "H3ForgeLora": "H3Forge LoRA",
     "H3ForgeMaskPreview": "H3Forge Mask Preview",
     "H3ForgeMaskFrameRange": "H3Forge Mask Frame Range",
     "H3ForgeMaskTrackBox": "H3Forge Mask Track Box",

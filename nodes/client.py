@@ -126,11 +126,11 @@ class EngineClient:
 
         return await self._with_retries(attempt, f"GET {path}")
 
-    async def _with_retries(self, attempt, what: str):
-        """Runs `attempt` until it gets through, for at most connect_wait seconds. An attempt that finds nothing
-        listening and one that reaches something which does not answer in time are told apart in the error."""
+    async def _with_retries(self, attempt, what: str, wait: float | None = None):
+        """Runs `attempt` until it gets through, for at most `wait` (default connect_wait) seconds. An attempt that
+        finds nothing listening and one that reaches something which does not answer in time are told apart."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.connect_wait
+        deadline = loop.time() + (self.connect_wait if wait is None else wait)
         while True:
             try:
                 return await attempt()
@@ -210,8 +210,10 @@ class EngineClient:
         deadline = asyncio.get_running_loop().time() + timeout if timeout else None
         return _JobWatch(on_progress, cancel, deadline, timeout, mp4)
 
-    async def _open(self, session: aiohttp.ClientSession) -> aiohttp.ClientWebSocketResponse:
-        """Connects and greets; raises EngineError for an absent engine, a refused token or another version."""
+    async def _open(self, session: aiohttp.ClientSession, wait: float | None = None
+                    ) -> aiohttp.ClientWebSocketResponse:
+        """Connects and greets (trying for `wait` seconds, default connect_wait); raises EngineError for an absent
+        engine, a refused token or another version."""
         async def attempt():
             try:
                 # Bounded per attempt: a frozen engine accepts the TCP connection but never answers the upgrade.
@@ -222,7 +224,7 @@ class EngineClient:
                 raise EngineError("bad_response", f"The server at {self.url} refused the WebSocket (HTTP "
                                                   f"{exc.status}): is this an H3Forge engine?") from None
 
-        ws = await self._with_retries(attempt, "the WebSocket upgrade")
+        ws = await self._with_retries(attempt, "the WebSocket upgrade", wait)
         await ws.send_str(protocol.encode_control({
             "type": "hello", "id": uuid.uuid4().hex, "version": protocol.PROTOCOL_VERSION, "token": self.token}))
         try:
@@ -267,8 +269,8 @@ class EngineClient:
                     raise EngineError("disconnected", f"Lost the connection to {self.url} during job {watch.job} "
                                                       f"and could not reconnect.") from None
                 await asyncio.sleep(delay)
-                try:
-                    watch.ws = await self._open(session)
+                try:  # one attempt per delay: the schedule itself spaces the retries
+                    watch.ws = await self._open(session, wait=0.0)
                 except EngineError as exc:
                     if exc.code != "unreachable":
                         raise

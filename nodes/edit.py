@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from .t2v import (CLIP_OUTPUT_TOOLTIPS, CLIP_RETURN_NAMES, CLIP_RETURN_TYPES, ENGINE_INPUT, LORA_INPUT, SEED_INPUT,
-                  STEPS_INPUT, check_settings, lora_problem, parse_lora_list, video_job)
+                  STEPS_INPUT, check_settings, job_loras, lora_problem, video_job)
+from .lora import LORAS_INPUT
 from .video_io import mask_to_uint8, source_of
 
 PRESETS = ["remove", "replace", "repaint"]
@@ -48,6 +49,7 @@ class H3ForgeMaskedEdit:
             "optional": {
                 "engine": ENGINE_INPUT,
                 "lora_list": LORA_INPUT,
+                "loras": LORAS_INPUT,
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -62,7 +64,7 @@ class H3ForgeMaskedEdit:
         return check_settings(0, 0, int(steps)) or lora_problem(lora_list) or True
 
     async def edit(self, source, mask, prompt, preset, strength, keep_audio, steps, seed, engine=None,
-                   lora_list="", unique_id=None):
+                   lora_list="", loras=None, unique_id=None):
         problem = check_settings(0, 0, steps)
         if problem:
             raise ValueError(f"H3Forge: {problem}")
@@ -70,5 +72,5 @@ class H3ForgeMaskedEdit:
         tensors["mask"] = await asyncio.to_thread(mask_to_uint8, mask)
         params.update(prompt=prompt.strip() or None, preset=preset, strength=strength or None,
                       audio_mask=0.0 if keep_audio else 1.0, steps=steps or None, seed=int(seed),
-                      loras=parse_lora_list(lora_list))
+                      loras=job_loras(loras, lora_list))
         return await video_job(engine, "edit", params, tensors, unique_id)

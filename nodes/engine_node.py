@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from . import launcher
+from . import launcher, model_files
 from .client import EngineClient, EngineError, protocol
 
 ENGINE_TYPE = "H3FORGE_ENGINE"
@@ -13,6 +13,11 @@ PRESETS = ["tiny"]
 ATTENTION = list(protocol.ATTENTION_CHOICES)
 # Share of video blocks each video query block skips (VSA); None: what the engine was started with.
 SPARSE_ATTENTION = {"engine default": None, "off (dense)": 0.0, "75%": 0.75, "87.5%": 0.875, "90%": 0.9, "95%": 0.95}
+
+NO_FILE, AUTO_FILE = "none", "auto"
+# Engine node inputs that pick Comfy-Org single files: (input, ComfyUI folder, kind `auto` looks for).
+FILE_INPUTS = (("diffusion_model", "diffusion_models", "dit"), ("text_encoder", "text_encoders", "text_encoder"),
+               ("video_vae", "vae", "video_vae"), ("audio_vae", "vae", "audio_vae"))
 
 # Error codes whose message is about what the artist asked for (fix the inputs), not about the engine.
 _INPUT_ERROR_CODES = {"invalid_request", "too_large"}
@@ -131,14 +136,55 @@ class H3ForgeEngine:
                                      "dense at 5 s and ~2.2x at 15 s on an H200, with small changes to the "
                                      "picture; off = dense attention, exactly; engine default = what the engine "
                                      "was started with (--vsa-sparsity, else off)."}),
-            }
+            },
+            "optional": {
+                "diffusion_model": ([NO_FILE] + model_files.choices("diffusion_models"), {"default": NO_FILE,
+                                    "tooltip": "MiniMax-H3 DiT file from ComfyUI's diffusion_models folder (bf16, "
+                                    "pruned, fp8_scaled or int8_convrot; the pruned int8 / fp8 files fit 24-48 GB "
+                                    "GPUs) for an auto-launched engine. none = models_dir, else preset. A remote "
+                                    "engine runs the files it was started with."}),
+                "text_encoder": ([AUTO_FILE] + model_files.choices("text_encoders"), {"default": AUTO_FILE,
+                                 "tooltip": "Qwen3-VL text encoder file (text_encoders folder) that goes with the "
+                                 "DiT; auto = the one there (bf16 first, then int8_convrot, nvfp4_awq)."}),
+                "video_vae": ([AUTO_FILE] + model_files.choices("vae"), {"default": AUTO_FILE, "tooltip":
+                              "MiniMax-H3 video VAE file (vae folder); auto = the video VAE there."}),
+                "audio_vae": ([AUTO_FILE] + model_files.choices("vae"), {"default": AUTO_FILE, "tooltip":
+                              "MiniMax-H3 audio VAE file (vae folder); auto = the audio VAE there."}),
+                "tokenizer_dir": ("STRING", {"default": "", "tooltip":
+                                  "Folder with the tokenizer the text-encoder files lack: empty = ComfyUI's own "
+                                  "Qwen tokenizer (comfy/text_encoders/qwen25_tokenizer), or the tokenizer/ "
+                                  "folder of the MiniMax-H3 release."}),
+            },
         }
 
-    def configure(self, url, token, auto_launch, preset, models_dir, device, gpus, attention, sparse_attention):
+    def configure(self, url, token, auto_launch, preset, models_dir, device, gpus, attention, sparse_attention,
+                  diffusion_model=NO_FILE, text_encoder=AUTO_FILE, video_vae=AUTO_FILE, audio_vae=AUTO_FILE,
+                  tokenizer_dir=""):
         launcher.host_port(url.strip())  # rejects a malformed URL here, with the node highlighted
-        return ({"url": url.strip(), "token": token.strip(), "auto_launch": bool(auto_launch), "preset": preset,
-                 "models_dir": models_dir.strip(), "device": device, "gpus": int(gpus), "attention": attention,
-                 "sparse_attention": sparse_attention},)
+        settings = {"url": url.strip(), "token": token.strip(), "auto_launch": bool(auto_launch), "preset": preset,
+                    "models_dir": models_dir.strip(), "device": device, "gpus": int(gpus), "attention": attention,
+                    "sparse_attention": sparse_attention}
+        if diffusion_model != NO_FILE:
+            settings["files"] = chosen_files(diffusion_model, text_encoder, video_vae, audio_vae, tokenizer_dir)
+        return (settings,)
+
+
+def chosen_files(diffusion_model: str, text_encoder: str, video_vae: str, audio_vae: str, tokenizer_dir: str) -> dict:
+    """{engine file flag role: full path} for the chosen Comfy-Org files, `auto` ones picked by their headers."""
+    picked = dict(zip((name for name, _, _ in FILE_INPUTS), (diffusion_model, text_encoder, video_vae, audio_vae)))
+    files = {}
+    try:
+        for name, folder, kind in FILE_INPUTS:
+            choice = picked[name]
+            if choice == AUTO_FILE:
+                choice = model_files.auto_choice(folder, kind)
+            files[kind] = str(model_files.full_path(folder, choice))
+    except model_files.ModelFileError as e:
+        raise ValueError(f"H3Forge: {e}") from None
+    tokenizer = tokenizer_dir.strip() or model_files.comfy_tokenizer_dir()
+    if tokenizer:
+        files["tokenizer_dir"] = str(tokenizer)
+    return files
 
 
 async def status_route(request):

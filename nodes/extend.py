@@ -6,7 +6,8 @@ import asyncio
 
 from . import comfy_compat as comfy
 from .t2v import (CLIP_OUTPUT_TOOLTIPS, CLIP_RETURN_NAMES, CLIP_RETURN_TYPES, ENGINE_INPUT, LORA_INPUT, SEED_INPUT,
-                  STEPS_INPUT, SourceJobGone, check_settings, lora_problem, parse_lora_list, video_job)
+                  STEPS_INPUT, SourceJobGone, check_settings, job_loras, lora_problem, video_job)
+from .lora import LORAS_INPUT
 from .video_io import source_of
 
 
@@ -51,6 +52,7 @@ class H3ForgeExtendVideo:
                                "job_id of the node that made the source video. The engine then reuses its stored "
                                "frames, sound and latents; if it no longer has them, the video is sent instead."}),
                 "lora_list": LORA_INPUT,
+                "loras": LORAS_INPUT,
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -62,7 +64,7 @@ class H3ForgeExtendVideo:
         return check_settings(0, 0, int(steps)) or lora_problem(lora_list) or True
 
     async def extend(self, source, prompts, seconds, overlap, window_seconds, steps, seed, engine=None,
-                     source_job=None, lora_list="", unique_id=None):
+                     source_job=None, lora_list="", loras=None, unique_id=None):
         lines = prompt_lines(prompts)
         if not lines:
             raise ValueError("H3Forge: write at least one prompt describing what happens next")
@@ -71,7 +73,7 @@ class H3ForgeExtendVideo:
             raise ValueError(f"H3Forge: {problem}")
         params = {"prompts": lines, "seconds": float(seconds), "overlap_latents": int(overlap),
                   "window_seconds": float(window_seconds), "steps": steps or None, "seed": int(seed),
-                  "loras": parse_lora_list(lora_list)}
+                  "loras": job_loras(loras, lora_list)}
         if source_job and source_job.strip():
             try:
                 return await video_job(engine, "extend", {**params, "source_job": source_job.strip()}, {}, unique_id)

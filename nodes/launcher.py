@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from . import model_files
 from .client import protocol
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +68,7 @@ class LaunchedEngine:
     url: str
     port: int
     token_file: Path
+    command: list[str]
 
     @property
     def pid(self) -> int:
@@ -154,12 +156,21 @@ def exit_report(url: str) -> str | None:
             f"Log ({engine.log_file}):\n{engine.log_tail()}")
 
 
+FILE_FLAGS = (("dit", "--dit"), ("text_encoder", "--text-encoder"), ("video_vae", "--video-vae"),
+              ("audio_vae", "--audio-vae"), ("tokenizer_dir", "--tokenizer-dir"))
+
+
 def serve_command(settings: dict, port: int, token_file: Path) -> list[str]:
     cmd = [sys.executable, "-m", "engine", "serve"]
+    files = settings.get("files") or {}
     if settings.get("models_dir"):
         cmd += ["--models", settings["models_dir"]]
-    else:
+    elif not files:
         cmd += ["--preset", settings.get("preset") or "tiny"]
+    cmd += [arg for role, flag in FILE_FLAGS if files.get(role) for arg in (flag, files[role])]
+    # ComfyUI's model folders (extra_model_paths.yaml included): the engine reads the chosen files and the LoRA
+    # node's names there.
+    cmd += [arg for folder, root in model_files.roots() if root.is_dir() for arg in ("--model-path", f"{folder}={root}")]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--token-file", str(token_file),
             "--log-file", str(log_file(port))]
     if settings.get("device", "auto") != "auto":
@@ -176,11 +187,11 @@ def _start(settings: dict) -> LaunchedEngine:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACK_ROOT), env.get("PYTHONPATH")) if p)
     log_dir().mkdir(parents=True, exist_ok=True)
+    command = serve_command(settings, port, token_file)
     with open(console_file(port), "wb") as console:
-        process = subprocess.Popen(
-            serve_command(settings, port, token_file), cwd=PACK_ROOT, env=env, stdin=subprocess.DEVNULL,
-            stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
-    return LaunchedEngine(process, url, port, token_file)
+        process = subprocess.Popen(command, cwd=PACK_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=console,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    return LaunchedEngine(process, url, port, token_file, command)
 
 
 def _ensure_sync(settings: dict, timeout: float) -> None:
@@ -188,6 +199,12 @@ def _ensure_sync(settings: dict, timeout: float) -> None:
     host, port = host_port(url)
     with _lock:
         engine = _launched.get((host, port))
+        if engine is not None and engine.alive() and engine.command != serve_command(settings, port,
+                                                                                     engine.token_file):
+            # The Engine node now asks for other models or options: the engine this ComfyUI started makes way.
+            engine.stop()
+            del _launched[(host, port)]
+            engine = None
         if probe(url) is not None:
             if engine is not None and not engine.alive():  # ours died; someone else serves here now
                 del _launched[(host, port)]

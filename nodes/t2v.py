@@ -14,6 +14,7 @@ import time
 from . import comfy_compat as comfy
 from .client import EngineError
 from .engine_node import ENGINE_TYPE, connect, readable_error, speed_params
+from .lora import LORAS_INPUT
 from .video_io import images_to_uint8, result_outputs
 
 ASPECTS = ["16:9", "9:16", "1:1", "4:3", "3:4", "21:9", "auto"]
@@ -34,8 +35,9 @@ ENGINE_INPUT = (ENGINE_TYPE, {"tooltip":
                 "Engine settings from an H3Forge Engine node. Without it: the local engine at "
                 "ws://127.0.0.1:8190, started automatically if needed."})
 LORA_INPUT = ("STRING", {"multiline": True, "default": "", "tooltip":
-              "LoRAs to apply, one per line as file.safetensors:scale, with paths inside the engine's models "
-              "folder. Example: turbo.safetensors:1.0"})
+              "More LoRAs (older workflows; the H3Forge LoRA node picks them from a list), one per line as "
+              "file.safetensors:scale, with paths inside the engine's models or loras folders. Example: "
+              "turbo.safetensors:1.0"})
 # Outputs of every node that gets a clip from the engine.
 CLIP_RETURN_TYPES = ("VIDEO", "IMAGE", "AUDIO", "STRING")
 CLIP_RETURN_NAMES = ("video", "frames", "audio", "job_id")
@@ -63,6 +65,11 @@ def parse_lora_list(text: str) -> list[list]:
             raise ValueError(f"LoRA line {number} ({line!r}) has no file name")
         loras.append([path.strip(), value])
     return loras
+
+
+def job_loras(chain, lora_list: str) -> list[list]:
+    """The job's LoRAs: the H3Forge LoRA chain, then the lines of lora_list."""
+    return [list(entry) for entry in (chain or [])] + parse_lora_list(lora_list)
 
 
 def check_settings(width: int, height: int, steps: int) -> str | None:
@@ -146,6 +153,7 @@ class H3ForgeTextToVideo:
                                "Image the video ends on (first image of the batch), cropped to cover the "
                                "canvas."}),
                 "lora_list": LORA_INPUT,
+                "loras": LORAS_INPUT,
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -156,14 +164,15 @@ class H3ForgeTextToVideo:
         return check_settings(int(width), int(height), int(steps)) or lora_problem(lora_list) or True
 
     async def generate(self, prompt, seconds, aspect, width, height, steps, seed,
-                       engine=None, first_frame=None, last_frame=None, lora_list="", unique_id=None):
+                       engine=None, first_frame=None, last_frame=None, lora_list="", loras=None,
+                       unique_id=None):
         problem = check_settings(width, height, steps)
         if problem:
             raise ValueError(f"H3Forge: {problem}")
         params = {
             "prompt": prompt, "seconds": float(seconds), "aspect": None if aspect == "auto" else aspect,
             "width": width or None, "height": height or None, "steps": steps or None, "seed": int(seed),
-            "loras": parse_lora_list(lora_list),
+            "loras": job_loras(loras, lora_list),
         }
         tensors = await asyncio.to_thread(keyframe_tensors, first_frame, last_frame)
         return await video_job(engine, "fl2va" if tensors else "t2va", params, tensors, unique_id)

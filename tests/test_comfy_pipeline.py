@@ -47,10 +47,10 @@ def test_comfy_files_run_a_job(full, tmp_path, monkeypatch):  # noqa: F811
     video_vae, audio_vae = (model_files.full_path("vae", n) for n in sorted(chosen["vae"], reverse=True))
     pipe = H3Pipeline.from_files(
         model_files.full_path("diffusion_models", chosen["diffusion_models"][0]),
-        model_files.full_path("text_encoders", chosen["text_encoders"][0]), tokenizer, video_vae, audio_vae,
-        device="cpu", dtype=torch.float32, lora_root=root / "loras", canvas=TINY_CANVAS,
+        model_files.full_path("text_encoders", chosen["text_encoders"][0]), video_vae, audio_vae, tokenizer,
+        device="cpu", dtype=torch.float32, lora_roots=[root / "loras"],
         configs={"text_encoder": te_config, "layer": 2, "video_vae": dict(TINY_VIDEO_VAE),
-                 "audio_vae": dict(TINY_AUDIO_VAE)})
+                 "audio_vae": dict(TINY_AUDIO_VAE), "canvas": TINY_CANVAS})
     assert isinstance(pipe.dit.blocks[0].attn.qkv_proj, Int8ConvRotLinear)
     status = pipe.describe()
     assert status["files"]["dit"]["format"] == "int8_convrot" and status["files"]["dit"]["pruned"]

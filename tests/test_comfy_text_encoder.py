@@ -201,3 +201,42 @@ def test_named_errors(source, tokenizer_dir, tmp_path, defect):
     save_file(tensors, path)
     with pytest.raises(CheckpointError, match=message):
         Conditioner.from_single_file(path, tokenizer_dir, tiny_config(), layer=LAYERS)
+
+
+def qwen25_like_tokenizer(directory, extra=()):
+    """A tokenizer folder with Qwen2.5's token count (151 643 BPE tokens + 22 specials), as ComfyUI ships
+    comfy/text_encoders/qwen25_tokenizer, plus `extra` added tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({f"w{i}": i for i in range(len(vocab), 151643)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|s{i}|>" for i in range(19)])
+    tok.add_tokens(list(extra))
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    return directory
+
+
+def test_qwen25_tokenizer_files_get_the_qwen3_and_h3_tokens_at_their_ids(tmp_path):
+    from engine.models.h3.conditioner import H3_ADDED, QWEN3_ADDED, load_image_processor, load_tokenizer
+
+    tokenizer = load_tokenizer(qwen25_like_tokenizer(tmp_path / "qwen25"))
+    vocab = tokenizer.get_vocab()
+    assert [vocab[t] for t in QWEN3_ADDED + H3_ADDED] == list(range(151665, 151676))  # specs/h3.md §4
+    assert tokenizer("<|lyrics_start|>la<|lyrics_end|>", add_special_tokens=False)["input_ids"][0] == 151672
+    processor = load_image_processor(tmp_path / "qwen25")  # no preprocessor config there: Qwen3-VL's geometry
+    assert (processor.patch_size, processor.merge_size, processor.temporal_patch_size) == (16, 2, 2)
+    assert list(processor.image_mean) == [0.5] * 3
+
+    shifted = qwen25_like_tokenizer(tmp_path / "shifted", extra=["<d>"])  # H3's first token at a wrong id
+    with pytest.raises(CheckpointError, match="'<d>' at id 151665, not 151669"):
+        load_tokenizer(shifted)
+
+
+def test_released_text_encoder_file_without_a_tokenizer_is_refused(tmp_path):
+    path = tmp_path / "qwen3vl_32b_minimax_h3_bf16.safetensors"
+    save_file({"model.embed_tokens.weight": torch.zeros(151936, 8, dtype=torch.bfloat16)}, path)
+    with pytest.raises(CheckpointError, match="holds no tokenizer; give the tokenizer folder"):
+        Conditioner.from_single_file(path)

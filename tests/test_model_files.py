@@ -61,7 +61,7 @@ def test_engine_lists_kinds_and_formats(tree):
 
 def test_engine_resolves_inside_its_folders_only(tree):
     assert resolve(tree, "loras", "turbo.safetensors") == (tree / "loras" / "turbo.safetensors").resolve()
-    with pytest.raises(ModelFileError, match="outside the engine's vae folder"):
+    with pytest.raises(ModelFileError, match="outside the engine's vae folders"):
         resolve(tree, "vae", "../loras/turbo.safetensors")
     with pytest.raises(ModelFileError, match="No loras file 'missing.safetensors'"):
         resolve(tree, "loras", "missing.safetensors")
@@ -87,8 +87,11 @@ def test_node_combos_and_paths(tree, monkeypatch):
         model_files.full_path("loras", "../vae/minimax_h3_video_vae_fp16.safetensors")
     with pytest.raises(model_files.ModelFileError, match="outside ComfyUI's loras folders"):
         model_files.full_path("loras", "/etc/passwd")
-    assert model_files.lora_specs([("turbo.safetensors", 0.8), ("turbo.safetensors", 0.0)]) == [
-        f"{(tree / 'loras' / 'turbo.safetensors').resolve()}:0.8"]
+    assert model_files.auto_choice("vae", "video_vae") == "minimax_h3_video_vae_fp16.safetensors"
+    assert model_files.auto_choice("vae", "audio_vae") == "minimax_h3_audio_vae_fp32.safetensors"
+    assert model_files.auto_choice("text_encoders", "text_encoder") == "qwen3vl_32b_minimax_h3_bf16.safetensors"
+    with pytest.raises(model_files.ModelFileError, match="No text encoder file in ComfyUI's loras folders"):
+        model_files.auto_choice("loras", "text_encoder")
 
 
 def test_v1_models_on_a_preset_engine(engine):

@@ -47,7 +47,7 @@ def test_import_is_fast_and_light(tmp_path):
     loaded = [m for m in report["modules"] if any(m == h or m.startswith(h + ".") for h in HEAVY)
               or any(f".{part}" in f".{m}" for part in ENGINE_INTERNALS)]
     assert loaded == [], f"pack import pulled in {loaded}"
-    assert report["nodes"] == ["H3ForgeEngine", "H3ForgeExtendVideo", "H3ForgeMaskFeather", "H3ForgeMaskFrameRange",
+    assert report["nodes"] == ["H3ForgeEngine", "H3ForgeExtendVideo", "H3ForgeLora", "H3ForgeMaskFeather", "H3ForgeMaskFrameRange",
                                "H3ForgeMaskGrow", "H3ForgeMaskPreview", "H3ForgeMaskTrackBox", "H3ForgeMaskedEdit",
                                "H3ForgePreview", "H3ForgeTextToVideo", "H3ForgeUpscale"]
     assert (PACK / report["web"] / "h3forge.js").is_file()
@@ -87,6 +87,7 @@ def test_node_definition_is_complete(name):
 
 def test_nodes_that_do_work_are_coroutines():
     """ComfyUI runs a plain node function on its event loop, stalling the other nodes' network timers; a coroutine
-    can hand its work to a thread. Only the Engine node (it returns its settings) stays plain."""
+    can hand its work to a thread. Only the nodes that return settings (Engine, LoRA) stay plain."""
     for name, cls in load_pack().NODE_CLASS_MAPPINGS.items():
-        assert inspect.iscoroutinefunction(getattr(cls, cls.FUNCTION)) == (name != "H3ForgeEngine"), name
+        plain = name in ("H3ForgeEngine", "H3ForgeLora")
+        assert inspect.iscoroutinefunction(getattr(cls, cls.FUNCTION)) != plain, name

@@ -98,7 +98,7 @@ def test_lora_merged_for_one_request_only(pipe, tmp_path):
 
 def test_lora_paths_are_confined_to_the_models_dir(tmp_path):
     pipe = H3Pipeline.__new__(H3Pipeline)
-    pipe.lora_root = tmp_path
+    pipe.lora_roots = (tmp_path,)
     with pytest.raises(LayoutError, match="outside the models directory"):
         pipe.resolve_lora("../../etc/passwd")
 

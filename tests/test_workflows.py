@@ -78,7 +78,7 @@ def test_checker_catches_mistakes(defs):
 
     mistakes = {
         "unknown node type": lambda wf: wf["nodes"][0].update(type="H3ForgeNoSuchNode"),
-        "widget values, expected": lambda wf: widgets(wf, wf["nodes"][t2v]["widgets_values"][:-1]),
+        "widget values, expected": lambda wf: widgets(wf, wf["nodes"][t2v]["widgets_values"][:-2]),
         "above the maximum": lambda wf: wf["nodes"][t2v]["widgets_values"].__setitem__(1, 30.0),
         "is not one of": lambda wf: wf["nodes"][t2v]["widgets_values"].__setitem__(2, "2:1"),
         "step grid": lambda wf: wf["nodes"][t2v]["widgets_values"].__setitem__(3, 100),
@@ -91,6 +91,18 @@ def test_checker_catches_mistakes(defs):
     for expected, edit in mistakes.items():
         problems = check_workflow(_broken(good, edit), defs)
         assert any(expected in p for p in problems), f"{expected!r} not reported: {problems}"
+
+
+def test_a_workflow_saved_before_the_engine_node_had_file_inputs_stays_valid(defs):
+    """Workflows saved before the Engine node gained its optional file widgets carry 9 values; the frontend gives
+    the rest their defaults. Dropping a required widget's value is still a mistake."""
+    wf = json.loads((WORKFLOWS[0].parent / "h3_text_to_video.json").read_text())
+    engine = next(n for n in wf["nodes"] if n["type"] == "H3ForgeEngine")
+    assert engine["widgets_values"][9:] == ["none", "auto", "auto", "auto", ""]
+    engine["widgets_values"] = engine["widgets_values"][:9]
+    assert check_workflow(wf, defs) == []
+    engine["widgets_values"] = engine["widgets_values"][:8]
+    assert any("8 widget values, expected" in p for p in check_workflow(wf, defs))
 
 
 LOADERS = {"LoadImage": 0, "LoadImageMask": 0, "LoadVideo": 0}  # node type -> index of its file widget

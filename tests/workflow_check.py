@@ -63,7 +63,7 @@ def widgets(node_def: dict) -> list[tuple[str, object, dict]]:
         for name, spec in node_def["input"].get(section, {}).items():
             if not _is_widget(spec):
                 continue
-            options = spec[1] if len(spec) > 1 else {}
+            options = {**(spec[1] if len(spec) > 1 else {}), "_optional": section == "optional"}
             out.append((name, spec[0], options))
             if spec[0] == "INT" and (name in ("seed", "noise_seed") or options.get("control_after_generate")):
                 out.append((f"{name}:control_after_generate", "CONTROL", {}))
@@ -133,6 +133,10 @@ def check_workflow(workflow: dict, defs: dict[str, dict]) -> list[str]:
                 problems.append(f"{where}: missing {key!r}")
         specs = widgets(node_def)
         values = node.get("widgets_values", [])
+        # A workflow saved before a node gained optional widgets lacks their values; the frontend gives them defaults.
+        older = len(values) < len(specs) and all(options.get("_optional") for _, _, options in specs[len(values):])
+        if older:
+            specs = specs[:len(values)]
         if len(values) != len(specs):
             problems.append(f"{where}: {len(values)} widget values, expected {len(specs)} "
                             f"({', '.join(name for name, _, _ in specs)})")

@@ -10,7 +10,7 @@ let runningNode = null;                   // id of the node ComfyUI is executing
 
 // H3Forge nodes that never talk to the engine: no engine line under them.
 const OFFLINE = new Set(["H3ForgePreview", "H3ForgeMaskFrameRange", "H3ForgeMaskTrackBox", "H3ForgeMaskGrow",
-                         "H3ForgeMaskFeather"]);
+                         "H3ForgeMaskFeather", "H3ForgeLora"]);
 
 const isH3 = (node) => String(node?.comfyClass ?? node?.type ?? "").startsWith("H3Forge");
 const h3Nodes = () => (app.graph?._nodes ?? []).filter(isH3);
@@ -49,10 +49,18 @@ async function poll() {
   redraw();
 }
 
+// Which files, formats and compute precisions the engine loaded (under the Engine node).
+function weightsLine() {
+  const summary = engine.reply?.connected ? engine.reply.status?.models?.summary : null;
+  return summary ? `weights: ${summary}` : null;
+}
+
 function drawStatus(node, ctx) {
   if (node.flags?.collapsed) return;
   const lines = [];
   if (!OFFLINE.has(node.comfyClass)) lines.push(engineLine());
+  const weights = node.comfyClass === "H3ForgeEngine" ? weightsLine() : null;
+  if (weights) lines.push(weights);
   const running = runningNode === String(node.id);
   const text = progressText.get(String(node.id));
   if (running && text) lines.push(text);

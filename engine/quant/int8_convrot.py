@@ -105,24 +105,21 @@ def quantize_activation(x: torch.Tensor, group: int, swiglu: bool = False) -> tu
 
 def int8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                 out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """(xq · wqᵀ exact in int32) · x_scale · w_scaleᵀ (+ bias); the rescale is one Triton pass on CUDA.
-    `_int_mm` wants more than 16 rows: M is padded to >= 32."""
+    """(xq · wqᵀ exact in int32) · x_scale · w_scaleᵀ (+ bias): one Triton kernel on CUDA, else `torch._int_mm`
+    (which wants more than 16 rows: M is padded to >= 32) and a rescale, chunk by chunk."""
+    if xq.is_cuda and fused._have_triton():
+        from engine.quant import quant_triton
+
+        return quant_triton.int8_linear(xq, x_scale, wq, w_scale, bias, out_dtype)
     m = xq.shape[0]
     if m < 32:
         xq = F.pad(xq, (0, 0, 0, 32 - m))
     out = torch.empty(m, wq.shape[0], dtype=out_dtype, device=xq.device)
     wt = wq.t()  # a column-major view: a contiguous copy of the transpose costs more than the GEMM (DS-DOC)
-    fast = xq.is_cuda and fused._have_triton()
     for start in range(0, m, ROWS_PER_CHUNK):
         acc = torch._int_mm(xq[start:start + ROWS_PER_CHUNK], wt)[:min(ROWS_PER_CHUNK, m - start)]
-        sx = x_scale[start:start + acc.shape[0]]
-        if fast:
-            from engine.quant import quant_triton
-
-            out[start:start + acc.shape[0]] = quant_triton.int8_rescale(acc, sx, w_scale, bias, out_dtype)
-        else:
-            part = acc.float() * sx * w_scale.t()
-            out[start:start + acc.shape[0]] = (part if bias is None else part + bias.float()).to(out_dtype)
+        part = acc.float() * x_scale[start:start + acc.shape[0]] * w_scale.t()
+        out[start:start + acc.shape[0]] = (part if bias is None else part + bias.float()).to(out_dtype)
     return out
 
 

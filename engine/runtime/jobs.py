@@ -58,22 +58,43 @@ class ModelSource:
     attention: str | None = None  # force an attention backend (None: per device)
     vsa_sparsity: float = 0.0  # H3 video sparse attention; 0 = dense
     # Comfy-Org single files, as (role, path) pairs: dit, text_encoder, video_vae, audio_vae, and tokenizer_dir
-    # (the folder with tokenizer/ and processor/, which the files lack); LoRAs then resolve in models_dir.
+    # (the tokenizer the files lack), each already resolved inside the model roots.
     files: tuple[tuple[str, str], ...] = ()
+    # More roots per ComfyUI folder, (folder, directory) pairs (`--model-path`); models_dir's subfolders come first.
+    model_paths: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
         if self.files:
             return "files " + ", ".join(f"{role} {Path(path).name}" for role, path in self.files)
         return f"preset {self.preset}" if self.preset else f"models {self.models_dir}"
 
+    def roots(self):
+        """Where this engine may read model files (GET /v1/models lists them; LoRA names resolve there)."""
+        from engine.models.h3.model_files import ModelRoots
+
+        return ModelRoots(self.models_dir, self.model_paths)
+
+    def embedded(self) -> str | None:
+        """"tiny" when the weights have the embedded default's architecture (the preset, or single files of it),
+        whose canvas and work limits are small; None for the released model."""
+        from engine.models.h3.conditioner import tiny_text_encoder_width
+
+        if self.preset:
+            return self.preset
+        text_encoder = dict(self.files).get("text_encoder")
+        return "tiny" if text_encoder and tiny_text_encoder_width(text_encoder) else None
+
+    def lora_roots(self) -> list[Path]:
+        return [*self.roots().folders["loras"], *([Path(self.models_dir)] if self.models_dir else [])]
+
 
 def load_pipeline(source: ModelSource, ctx: RankContext):
     from engine.models.h3.pipeline import H3Pipeline  # heavy (torch, diffusers): only inside the engine
 
     if source.preset:
-        pipe = H3Pipeline.from_preset(source.preset, device=ctx.device)
+        pipe = H3Pipeline.from_preset(source.preset, device=ctx.device, lora_roots=source.lora_roots())
     elif source.files:
-        pipe = H3Pipeline.from_files(**dict(source.files), device=ctx.device, lora_root=source.models_dir)
+        pipe = H3Pipeline.from_files(**dict(source.files), device=ctx.device, lora_roots=source.lora_roots())
     else:
         pipe = H3Pipeline.from_models(source.models_dir, device=ctx.device)
     if ctx.world_size > 1:

@@ -4,6 +4,7 @@ give it in its hello."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from dataclasses import dataclass, field
@@ -105,13 +106,13 @@ async def status(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     """The model files this engine can load, by ComfyUI folder, each with its kind and format (headers only)."""
-    from engine.models.h3.model_files import list_models
-
-    root = request.app["service"].source.models_dir
-    if not root:
-        return web.json_response({"root": None, "folders": {}, "note": "this engine serves a preset, no models "
-                                                                       "folder"})
-    return web.json_response({"root": Path(root).name, "folders": list_models(root)})
+    source = request.app["service"].source
+    roots = source.roots()
+    if not any(roots.folders.values()):
+        return web.json_response({"root": None, "folders": {}, "note": "this engine was given no models folder"})
+    listing = await asyncio.to_thread(roots.listing)  # reads a header per file: keep the loop free
+    return web.json_response({"root": Path(source.models_dir).name if source.models_dir else None,
+                              "folders": listing})
 
 
 async def dashboard(request: web.Request) -> web.Response:

@@ -2,6 +2,9 @@
 
     python -m engine serve [--preset tiny | --models DIR] [--host 127.0.0.1] [--port 8190] [--gpus N]
                            [--device auto|cuda|cpu] [--token-file F] ...
+    python -m engine serve --models ComfyUI/models --dit minimax_h3_fl2va_pruned_int8_convrot.safetensors \
+        --text-encoder qwen3vl_32b_minimax_h3_int8_convrot.safetensors --video-vae minimax_h3_video_vae_fp16.safetensors \
+        --audio-vae minimax_h3_audio_vae_fp32.safetensors --tokenizer-dir ComfyUI/comfy/text_encoders/qwen25_tokenizer
 
 With --gpus N (> 1) this process becomes torchrun's agent and starts N ranks running this same command line;
 rank 0 serves, the others follow (engine.runtime). The token file (default $H3FORGE_TOKEN_FILE or
@@ -33,6 +36,16 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
                                       "(the default when no models directory is given)")
     src.add_argument("--models", metavar="DIR", default=os.environ.get("H3FORGE_MODELS"),
                      help="models directory with real checkpoints (default: $H3FORGE_MODELS)")
+    files = p.add_argument_group(
+        "Comfy-Org single files", "names inside the models folder's diffusion_models/, text_encoders/, vae/ (or a "
+        "--model-path of that folder), or absolute paths inside one of them")
+    for flag, folder, what in FILE_ARGS:
+        files.add_argument(flag, metavar="FILE", help=f"{what} ({folder}/)")
+    files.add_argument("--tokenizer-dir", metavar="DIR", help="tokenizer the released text-encoder files lack: the "
+                       "tokenizer/ of the MiniMax-H3 release, or ComfyUI's comfy/text_encoders/qwen25_tokenizer")
+    files.add_argument("--model-path", metavar="FOLDER=DIR", action="append", default=[], type=_model_path,
+                       help="one more directory for a model folder (diffusion_models, text_encoders, vae, loras), "
+                            "as ComfyUI's extra_model_paths.yaml adds; repeatable")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=protocol.DEFAULT_PORT)
     p.add_argument("--gpus", type=int, default=1, help="ranks per node, one GPU each (CPU ranks with --device cpu)")
@@ -67,6 +80,53 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
+FILE_ARGS = (("--dit", "diffusion_models", "the DiT: bf16, pruned, fp8_scaled or int8_convrot"),
+             ("--text-encoder", "text_encoders", "the Qwen3-VL text encoder: bf16, int8_convrot or nvfp4_awq"),
+             ("--video-vae", "vae", "the video VAE"), ("--audio-vae", "vae", "the audio VAE"))
+
+
+def _model_path(value: str) -> tuple[str, str]:
+    folder, sep, directory = value.partition("=")
+    if not sep or not directory:
+        raise argparse.ArgumentTypeError(f"--model-path wants FOLDER=DIR (e.g. loras=/data/loras), got {value!r}")
+    return folder, directory
+
+
+def model_source(args: argparse.Namespace, **options):
+    """What the engine loads: a preset, a models folder (official / diffusers layout), or Comfy-Org single files
+    resolved inside the model roots. SystemExit with what to change when the choice cannot work."""
+    from engine.models.h3.model_files import ModelFileError
+    from engine.runtime.jobs import ModelSource
+
+    chosen = {flag: getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in FILE_ARGS}
+    if not any(chosen.values()):
+        if args.tokenizer_dir:
+            raise SystemExit("--tokenizer-dir goes with the single files (--dit, --text-encoder, --video-vae, "
+                             "--audio-vae).")
+        source = ModelSource(preset=args.preset or (None if args.models else "tiny"), models_dir=args.models,
+                             model_paths=tuple(args.model_path), **options)
+        source.roots()  # an unknown --model-path folder fails here
+        return source
+    if args.preset:
+        raise SystemExit("--preset serves embedded weights; give it or single files (--dit ...), not both.")
+    missing = [flag for flag, value in chosen.items() if not value]
+    if missing:
+        raise SystemExit(f"Single files need all four of --dit, --text-encoder, --video-vae and --audio-vae; "
+                         f"missing {', '.join(missing)}.")
+    source = ModelSource(models_dir=args.models, model_paths=tuple(args.model_path), **options)
+    try:
+        roots = source.roots()
+        files = tuple((flag[2:].replace("-", "_"), str(roots.resolve(folder, chosen[flag])))
+                      for flag, folder, _ in FILE_ARGS)
+    except ModelFileError as e:
+        raise SystemExit(f"H3Forge engine: {e}") from None
+    if args.tokenizer_dir:
+        if not Path(args.tokenizer_dir).expanduser().is_dir():
+            raise SystemExit(f"--tokenizer-dir {args.tokenizer_dir}: no such folder.")
+        files += (("tokenizer_dir", str(Path(args.tokenizer_dir).expanduser().resolve())),)
+    return ModelSource(models_dir=args.models, model_paths=tuple(args.model_path), files=files, **options)
+
+
 def _env_float(name: str) -> float | None:
     value = os.environ.get(name, "").strip()
     return float(value) if value else None
@@ -78,7 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if (args.gpus > 1 or args.nnodes > 1) and not args.rank_worker:
         return launch_ranks(serve_argv(), args.gpus, args.nnodes, args.rdzv_endpoint)
 
-    from engine.runtime.jobs import JobRunner, ModelSource, follower_loop, load_pipeline
+    from engine.runtime.jobs import JobRunner, follower_loop, load_pipeline
     from engine.runtime.log import log_event, setup_logging
     from engine.runtime.ranks import close_ranks, init_ranks
 
@@ -88,10 +148,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.vsa_sparsity < 1:
         raise SystemExit("--vsa-sparsity must be at least 0 and below 1 (e.g. 0.875).")
     options = dict(attention=None if args.attention == "auto" else args.attention, vsa_sparsity=args.vsa_sparsity)
-    if args.preset or args.models:
-        source = ModelSource(preset=args.preset, models_dir=args.models, **options)
-    else:
-        source = ModelSource(preset="tiny", **options)
+    source = model_source(args, **options)
+    if source.preset and not args.preset:
         log_event("engine.default_preset", note="no --models or $H3FORGE_MODELS: serving the tiny preset "
                                                 "(random weights, for demos and tests)")
     try:
@@ -140,9 +198,9 @@ async def serve(args: argparse.Namespace, ctx, source) -> int:
     scheduler = Scheduler(lambda: JobRunner(ctx, load_pipeline(source, ctx), source), store, max_queue=args.max_queue,
                           memory_cap_bytes=None if args.memory_cap_gb is None else int(args.memory_cap_gb * 2**30))
     limits = preset_limits(protocol.Limits(max_tensor_bytes=int(args.max_tensor_mb * 2**20),
-                                           hello_timeout_s=args.client_timeout_s), source.preset)
+                                           hello_timeout_s=args.client_timeout_s), source.embedded())
     service = EngineService(ctx, source, load_or_create_token(token_file), limits, scheduler, store,
-                            preset_canvas(source.preset), max_connections=connection_cap(args.max_connections))
+                            preset_canvas(source.embedded()), max_connections=connection_cap(args.max_connections))
     app = make_app(service)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=args.client_timeout_s,
                            lingering_time=BODY_TIMEOUT_S, shutdown_timeout=1.0)

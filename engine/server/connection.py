@@ -284,10 +284,10 @@ class Connection:
                 raise pending.error
             mp4 = protocol.flag_field(msg, "mp4")
             params = protocol.validate_task(msg.get("task"), msg.get("params", {}), pending.tensors)
-            if params.get("loras") and self.service.source.models_dir is None:
-                raise ProtocolError("invalid_request", "This engine runs a preset and has no models folder, so it "
-                                                       "takes no LoRA files: start it with --models DIR (LoRA paths "
-                                                       "are read inside that folder only).")
+            if params.get("loras") and not self.service.source.lora_roots():
+                raise ProtocolError("invalid_request", "This engine has no models folder, so it takes no LoRA "
+                                                       "files: start it with --models DIR or --model-path "
+                                                       "loras=DIR (LoRA files are read inside those folders only).")
             source = self.service.store.source(params["source_job"]) if "source_job" in params else None
             check_cost(msg["task"], params, pending.tensors, source, self.service.limits, self.service.canvas)
             spec = JobSpec(self.service.scheduler.new_job_id(), msg["task"], params, pending.tensors, source,

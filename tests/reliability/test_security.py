@@ -137,7 +137,7 @@ def models_runner(tmp_path_factory):
     (root / "models" / "loras" / "inside.safetensors").write_bytes(b"not a LoRA either")
     (root / "models" / "loras" / "escape.safetensors").symlink_to(root / "outside" / "secret.safetensors")
     (root / "models" / "loras" / "alias.safetensors").symlink_to(root / "models" / "loras" / "inside.safetensors")
-    pipeline = H3Pipeline.from_preset("tiny", lora_root=root / "models")
+    pipeline = H3Pipeline.from_preset("tiny", lora_roots=[root / "models"])
     return root, JobRunner(RankContext(0, 1, torch.device("cpu")), pipeline)
 
 

@@ -29,6 +29,7 @@ from transformers.initialization import no_init_weights
 from transformers.utils import logging
 
 from engine.models.h3.checkpoint import CheckpointError
+from engine.models.h3.model_files import read_header
 from engine.models.h3.config import TEXT_TAG, VIDEO_TAG
 from engine.quant import int8_convrot, nvfp4
 from engine.quant.transform import QuantSpec, replace_linears
@@ -99,17 +100,26 @@ class Conditioner:
         return cls(model, tokenizer, image_processor, layer, max_prompt_tokens)
 
     @classmethod
-    def from_single_file(cls, path: str | Path, tokenizer_dir: str | Path, config: Qwen3VLConfig | None = None,
-                         dtype: torch.dtype = torch.bfloat16, device="cpu", layer: int = REAL_LAYER,
-                         max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> "Conditioner":
-        """A Comfy-Org text-encoder file; the tokenizer and image processor come from `tokenizer_dir` (a models
-        folder with `tokenizer/` and `processor/`, or a folder holding both), since the file has neither."""
-        model = load_text_encoder_file(path, config or qwen3vl_32b_config(layer), dtype, device)
-        tokenizer_dir = Path(tokenizer_dir)
-        tok = tokenizer_dir / "tokenizer" if (tokenizer_dir / "tokenizer").is_dir() else tokenizer_dir
-        proc = tokenizer_dir / "processor" if (tokenizer_dir / "processor").is_dir() else tokenizer_dir
-        tokenizer = AutoTokenizer.from_pretrained(tok, local_files_only=True)
-        image_processor = AutoImageProcessor.from_pretrained(proc, local_files_only=True)
+    def from_single_file(cls, path: str | Path, tokenizer_dir: str | Path | None = None,
+                         config: Qwen3VLConfig | None = None, dtype: torch.dtype = torch.bfloat16, device="cpu",
+                         layer: int | None = None, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> "Conditioner":
+        """A Comfy-Org text-encoder file. Without `config` the header tells the architecture: the released
+        Qwen3-VL-32B, whose tokenizer the file lacks (`tokenizer_dir`: see `load_tokenizer`), or the embedded
+        default's, whose byte-level tokenizer is built in."""
+        width = tiny_text_encoder_width(path) if config is None else None
+        if width:
+            config, layer = tiny_qwen3vl_config(width), TINY_LAYER if layer is None else layer
+            tokenizer, image_processor = build_tiny_tokenizer(), build_tiny_image_processor()
+        else:
+            layer = REAL_LAYER if layer is None else layer
+            config = config or qwen3vl_32b_config(layer)
+            if tokenizer_dir is None:
+                raise CheckpointError(
+                    f"{Path(path).name}: a Qwen3-VL text-encoder file holds no tokenizer; give the tokenizer folder "
+                    "(--tokenizer-dir: the tokenizer/ of the MiniMax-H3 release, or ComfyUI's "
+                    "comfy/text_encoders/qwen25_tokenizer).")
+            tokenizer, image_processor = load_tokenizer(tokenizer_dir), load_image_processor(tokenizer_dir)
+        model = load_text_encoder_file(path, config, dtype, device)
         return cls(model, tokenizer, image_processor, layer, max_prompt_tokens)
 
     @property
@@ -163,6 +173,43 @@ class Conditioner:
 
 
 # ---------------------------------------------------------------------------------------------- Comfy single files
+
+QWEN25_VOCAB = 151665  # tokens in Qwen2.5's tokenizer files (ComfyUI's comfy/text_encoders/qwen25_tokenizer)
+QWEN3_ADDED = ["<tool_response>", "</tool_response>", "<think>", "</think>"]  # Qwen3's ids 151665-151668
+H3_ADDED = ["<d>", "</d>", "<|cutoff|>", "<|lyrics_start|>", "<|lyrics_end|>", "<|caption_start|>",
+            "<|caption_end|>"]  # ids 151669-151675 (specs/h3.md §4)
+
+
+def load_tokenizer(directory: str | Path):
+    """The H3 tokenizer from a folder: a models folder with `tokenizer/`, or a folder of tokenizer files. Qwen2.5's
+    files (what ComfyUI tokenizes H3 prompts with) lack the tokens Qwen3 and H3 add; they are added at their ids."""
+    directory = Path(directory)
+    tokenizer = AutoTokenizer.from_pretrained(
+        directory / "tokenizer" if (directory / "tokenizer").is_dir() else directory, local_files_only=True)
+    if len(tokenizer) == QWEN25_VOCAB:
+        tokenizer.add_tokens(QWEN3_ADDED, special_tokens=True)
+    vocab = tokenizer.get_vocab()
+    if len(tokenizer) == QWEN25_VOCAB + len(QWEN3_ADDED) and H3_ADDED[0] not in vocab:
+        tokenizer.add_tokens(H3_ADDED, special_tokens=True)
+        vocab = tokenizer.get_vocab()
+    if len(tokenizer) >= QWEN25_VOCAB:  # a Qwen vocabulary: H3's tokens must sit where the model learned them
+        for i, token in enumerate(H3_ADDED):
+            if vocab.get(token) != QWEN25_VOCAB + len(QWEN3_ADDED) + i:
+                raise CheckpointError(f"{directory}: the tokenizer has {token!r} at id {vocab.get(token)}, not "
+                                      f"{QWEN25_VOCAB + len(QWEN3_ADDED) + i}; use the MiniMax-H3 or Qwen3-VL "
+                                      "tokenizer (or Qwen2.5's files).")
+    return tokenizer
+
+
+def load_image_processor(directory: str | Path):
+    """`processor/` of a models folder, a folder's own preprocessor config, else Qwen3-VL's (specs/h3.md §4)."""
+    directory = Path(directory)
+    for folder in (directory / "processor", directory):
+        if (folder / "preprocessor_config.json").is_file():
+            return AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+    return Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                                    image_std=[0.5] * 3, size={"shortest_edge": 65536, "longest_edge": 16777216})
+
 
 def qwen3vl_32b_config(layers: int = REAL_LAYER) -> Qwen3VLConfig:
     """Qwen3-VL-32B as the Comfy files hold it (ComfyUI `Qwen3VL_32BConfig`, specs/h3.md §4), `layers` kept."""
@@ -295,6 +342,8 @@ def load_text_encoder_file(path: str | Path, config: Qwen3VLConfig, dtype: torch
 # Tiny preset: byte-level tokens 0..255, then these specials.
 TINY_SPECIALS = ["<|endoftext|>", VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
 TINY_LAYERS, TINY_LAYER = 3, 2
+TINY_VOCAB = 256 + len(TINY_SPECIALS)
+EMBED_KEY = "model.embed_tokens.weight"  # in the Comfy file's flat names
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -314,11 +363,11 @@ def build_tiny_image_processor() -> Qwen2VLImageProcessorPil:
                                     image_std=[0.5] * 3, size={"shortest_edge": 32 * 32, "longest_edge": 96 * 96})
 
 
-def build_tiny_qwen3vl(seed: int = 0, hidden_size: int = 32) -> Qwen3VLForConditionalGeneration:
-    """The full (untruncated) tiny Qwen3-VL, weights drawn from `seed`."""
+def tiny_qwen3vl_config(hidden_size: int = 32) -> Qwen3VLConfig:
+    """The embedded default's Qwen3-VL: the byte-level vocabulary, 3 layers, a 2-block vision tower."""
     ids = {t: 256 + i for i, t in enumerate(TINY_SPECIALS)}
-    config = Qwen3VLConfig(
-        text_config=dict(vocab_size=256 + len(TINY_SPECIALS), hidden_size=hidden_size,
+    return Qwen3VLConfig(
+        text_config=dict(vocab_size=TINY_VOCAB, hidden_size=hidden_size,
                          intermediate_size=2 * hidden_size, num_hidden_layers=TINY_LAYERS, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
                          rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1],
@@ -328,9 +377,20 @@ def build_tiny_qwen3vl(seed: int = 0, hidden_size: int = 32) -> Qwen3VLForCondit
                            num_position_embeddings=64, deepstack_visual_indexes=[1]),
         image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
         vision_end_token_id=ids[VISION_END])
+
+
+def tiny_text_encoder_width(path: str | Path) -> int | None:
+    """The hidden size when a text-encoder file holds the embedded default's architecture (its byte-level
+    vocabulary), else None (the released Qwen3-VL-32B)."""
+    shape = read_header(Path(path)).get(EMBED_KEY, {}).get("shape")
+    return int(shape[1]) if shape and shape[0] == TINY_VOCAB else None
+
+
+def build_tiny_qwen3vl(seed: int = 0, hidden_size: int = 32) -> Qwen3VLForConditionalGeneration:
+    """The full (untruncated) tiny Qwen3-VL, weights drawn from `seed`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return Qwen3VLForConditionalGeneration(config).eval()
+        return Qwen3VLForConditionalGeneration(tiny_qwen3vl_config(hidden_size)).eval()
 
 
 def build_tiny_conditioner(seed: int = 0, hidden_size: int = 32) -> Conditioner:

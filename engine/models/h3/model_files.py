@@ -89,34 +89,67 @@ def _convrot_marked(path: Path, header: dict) -> bool:
         return b'"convrot": true' in f.read(min(end - start, 4096))
 
 
+class ModelRoots:
+    """Where an engine may read model files: per ComfyUI folder, the directories searched in order (the models
+    folder's own subfolder first, then each `--model-path FOLDER=DIR`, as ComfyUI's extra_model_paths.yaml adds).
+    A name is relative to one of them or an absolute path inside one; anything else is refused."""
+
+    def __init__(self, models_dir: str | Path | None = None, extra: tuple[tuple[str, str], ...] = ()):
+        self.folders: dict[str, list[Path]] = {folder: [] for folder in FOLDERS}
+        if models_dir:
+            for folder in FOLDERS:
+                self.folders[folder].append(Path(models_dir).expanduser().resolve() / folder)
+        for folder, directory in extra:
+            if folder not in FOLDERS:
+                raise ModelFileError(f"Unknown model folder {folder!r} in --model-path; use one of "
+                                     f"{', '.join(FOLDERS)}.")
+            self.folders[folder].append(Path(directory).expanduser().resolve())
+
+    def resolve(self, folder: str, name: str | Path) -> Path:
+        """The file `name` means in `folder`, or ModelFileError (unknown folder, outside every root, no such file)."""
+        if folder not in FOLDERS:
+            raise ModelFileError(f"Unknown model folder {folder!r}; use one of {', '.join(FOLDERS)}.")
+        roots = self.folders[folder]
+        inside = False
+        for base in roots:
+            path = (base / name).resolve()
+            if path.is_relative_to(base):
+                inside = True
+                if path.is_file():
+                    return path
+        where = ", ".join(str(r) for r in roots) or "none configured: start the engine with --models DIR"
+        if not inside:
+            raise ModelFileError(f"The {folder} file {str(name)!r} is outside the engine's {folder} folders "
+                                 f"({where}); give a name from those folders (GET /v1/models lists them).")
+        raise ModelFileError(f"No {folder} file {str(name)!r} in the engine's {folder} folders ({where}); "
+                             "GET /v1/models lists the files it has.")
+
+    def listing(self) -> dict[str, list[dict]]:
+        """Every .safetensors file of each folder, names relative to the root that holds it (first root wins)."""
+        out: dict[str, list[dict]] = {}
+        for folder, roots in self.folders.items():
+            entries, seen = [], set()
+            for base in roots:
+                files = sorted(p for p in base.rglob("*.safetensors") if p.is_file()) if base.is_dir() else []
+                for p in files:
+                    name = p.relative_to(base).as_posix()
+                    if name in seen:
+                        continue
+                    seen.add(name)
+                    try:
+                        entry = describe_file(p)
+                    except (ModelFileError, OSError, KeyError, TypeError) as e:
+                        entry = {"kind": "unreadable", "error": str(e)}
+                    entries.append({**entry, "name": name})
+            out[folder] = entries
+        return out
+
+
 def list_models(root: str | Path) -> dict[str, list[dict]]:
     """Every .safetensors file of each ComfyUI model folder under `root`, by folder, names relative to it."""
-    root = Path(root)
-    out: dict[str, list[dict]] = {}
-    for folder in FOLDERS:
-        base = root / folder
-        files = sorted(p for p in base.rglob("*.safetensors") if p.is_file()) if base.is_dir() else []
-        entries = []
-        for p in files:
-            try:
-                entry = describe_file(p)
-            except (ModelFileError, OSError, KeyError, TypeError) as e:
-                entry = {"name": p.name, "kind": "unreadable", "error": str(e)}
-            entries.append({**entry, "name": p.relative_to(base).as_posix()})
-        out[folder] = entries
-    return out
+    return ModelRoots(root).listing()
 
 
 def resolve(root: str | Path, folder: str, name: str) -> Path:
     """`name` inside `root/folder`, or ModelFileError (unknown folder, a path leaving the folder, no such file)."""
-    if folder not in FOLDERS:
-        raise ModelFileError(f"Unknown model folder {folder!r}; use one of {', '.join(FOLDERS)}.")
-    base = (Path(root) / folder).resolve()
-    path = (base / name).resolve()
-    if not path.is_relative_to(base):
-        raise ModelFileError(f"The {folder} file {name!r} is outside the engine's {folder} folder; give a name "
-                             f"from that folder (GET /v1/models lists them).")
-    if not path.is_file():
-        raise ModelFileError(f"No {folder} file {name!r} under the engine's models folder; GET /v1/models lists "
-                             "the files it has.")
-    return path
+    return ModelRoots(root).resolve(folder, name)

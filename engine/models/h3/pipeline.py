@@ -17,7 +17,7 @@ import io
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -90,9 +90,10 @@ def check_image(name: str, image: np.ndarray) -> np.ndarray:
 
 class H3Pipeline:
     def __init__(self, dit: H3DiT, video_vae: VideoVAE, audio_vae: AudioVAE, conditioner: Conditioner,
-                 canvas: Canvas, device: torch.device, name: str, lora_root: Path | None = None):
+                 canvas: Canvas, device: torch.device, name: str, lora_roots: Sequence[str | Path] = ()):
         self.dit, self.video_vae, self.audio_vae, self.conditioner = dit, video_vae, audio_vae, conditioner
-        self.canvas, self.device, self.name, self.lora_root = canvas, device, name, lora_root
+        self.canvas, self.device, self.name = canvas, device, name
+        self.lora_roots = tuple(Path(r) for r in lora_roots)  # LoRA files must lie inside one (none: any path)
         self.adaln_cache: AdaLNCache | None = AdaLNCache()  # None: every step computes its AdaLN tables
         self.prompt_cache = PromptCache()
         self.vsa_sparsity = 0.0  # fraction of video cubes each video query cube skips (0.875 = top 1/8)
@@ -101,7 +102,7 @@ class H3Pipeline:
 
     @classmethod
     def from_preset(cls, preset: str = "tiny", device: str | torch.device = "cpu", seed: int = 0,
-                    config: H3Config | None = None, lora_root: str | Path | None = None) -> "H3Pipeline":
+                    config: H3Config | None = None, lora_roots: Sequence[str | Path] = ()) -> "H3Pipeline":
         """Every component at tiny width with weights drawn from `seed`; no files needed."""
         if preset != "tiny":
             raise ValueError(f"unknown preset {preset!r}: only 'tiny' is embedded; real weights come from --models")
@@ -110,7 +111,7 @@ class H3Pipeline:
         dit = build_dit(config, seed=seed, device=device)
         return cls(dit, build_tiny_video_vae(seed).to(device), build_tiny_audio_vae(seed).to(device),
                    build_tiny_conditioner(seed, hidden_size=config.text_dim).to(device), TINY_CANVAS, device,
-                   "tiny", Path(lora_root) if lora_root else None)
+                   "tiny", lora_roots)
 
     @classmethod
     def from_models(cls, models_dir: str | Path, device: str | torch.device = "cuda",
@@ -124,27 +125,31 @@ class H3Pipeline:
         return cls(dit, VideoVAE.from_pretrained(video_dir).to(device),
                    AudioVAE.from_pretrained(root / "audio_vae").to(device),
                    Conditioner.from_pretrained(root, dtype=dtype, device=device), FULL_CANVAS, device,
-                   str(root), Path(models_dir))
+                   str(root), (Path(models_dir),))
 
     @classmethod
-    def from_files(cls, dit: str | Path, text_encoder: str | Path, tokenizer_dir: str | Path, video_vae: str | Path,
-                   audio_vae: str | Path, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
-                   lora_root: str | Path | None = None, configs: dict | None = None,
-                   canvas: Canvas = FULL_CANVAS) -> "H3Pipeline":
-        """Comfy-Org single files (any DiT format, any text-encoder format, the two VAEs); the tokenizer and image
-        processor, which those files lack, come from `tokenizer_dir` (an official or diffusers models folder).
-        `configs` may override the released architectures ("text_encoder", "video_vae", "audio_vae", "layer")."""
+    def from_files(cls, dit: str | Path, text_encoder: str | Path, video_vae: str | Path, audio_vae: str | Path,
+                   tokenizer_dir: str | Path | None = None, device: str | torch.device = "cuda",
+                   dtype: torch.dtype = torch.bfloat16, lora_roots: Sequence[str | Path] = (),
+                   configs: dict | None = None) -> "H3Pipeline":
+        """Comfy-Org single files (any DiT format, any text-encoder format, the two VAEs). The text encoder's header
+        tells the architecture of the set: the released one (tokenizer from `tokenizer_dir`, which the files lack)
+        or the embedded default's (tokenizer built in, its small canvas). `configs` may override the architectures
+        ("text_encoder", "layer", "video_vae", "audio_vae", "canvas")."""
+        from engine.models.h3.conditioner import tiny_text_encoder_width
         from engine.models.h3.model_files import describe_file
-        from engine.models.h3.vae import load_audio_vae_file, load_video_vae_file
+        from engine.models.h3.vae import TINY_AUDIO_VAE, TINY_VIDEO_VAE, load_audio_vae_file, load_video_vae_file
 
-        device, configs = torch.device(device), configs or {}
+        device, configs = torch.device(device), dict(configs or {})
+        if "text_encoder" not in configs and tiny_text_encoder_width(text_encoder):
+            configs = {"video_vae": dict(TINY_VIDEO_VAE), "audio_vae": dict(TINY_AUDIO_VAE), "canvas": TINY_CANVAS,
+                       **configs}
         conditioner = Conditioner.from_single_file(text_encoder, tokenizer_dir, configs.get("text_encoder"),
-                                                   dtype=dtype, device=device,
-                                                   **({"layer": configs["layer"]} if "layer" in configs else {}))
+                                                   dtype=dtype, device=device, layer=configs.get("layer"))
         pipe = cls(load_dit(dit, dtype=dtype, device=device),
                    load_video_vae_file(video_vae, configs.get("video_vae")).to(device),
-                   load_audio_vae_file(audio_vae, configs.get("audio_vae")).to(device), conditioner, canvas, device,
-                   Path(dit).name, Path(lora_root) if lora_root else None)
+                   load_audio_vae_file(audio_vae, configs.get("audio_vae")).to(device), conditioner,
+                   configs.get("canvas", FULL_CANVAS), device, Path(dit).name, lora_roots)
         pipe.files = {role: describe_file(path) for role, path in (
             ("dit", dit), ("text_encoder", text_encoder), ("video_vae", video_vae), ("audio_vae", audio_vae))}
         return pipe
@@ -153,7 +158,7 @@ class H3Pipeline:
         c = self.dit.config
         formats = sorted({type(m).__name__ for m in self.dit.modules() if hasattr(m, "requantize")})
         return {"model": "MiniMax-H3", "weights": self.name, "device": str(self.device),
-                "files": getattr(self, "files", None),
+                "summary": self.weights_summary(), "files": getattr(self, "files", None),
                 "dit": {"layers": c.num_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
                         "dtype": str(self.dit.dtype).removeprefix("torch."),
                         "adaln": f"curve (pruned, rank {c.time_embed_dim})" if c.curve else "full",
@@ -162,6 +167,24 @@ class H3Pipeline:
                 "default_steps": self.canvas.default_steps, "vsa_sparsity": self.vsa_sparsity,
                 "adaln_cache": self.adaln_cache.stats() if self.adaln_cache else None,
                 "prompt_cache": self.prompt_cache.stats()}
+
+    def weights_summary(self) -> str:
+        """One line for the node status line and the dashboard: which files, formats and compute precisions."""
+        from engine.quant.fp8 import fp8_compute
+        from engine.quant.int8_convrot import int8_compute
+
+        files = getattr(self, "files", None)
+        if not files:
+            return f"H3 {self.name} ({str(self.dit.dtype).removeprefix('torch.')})"
+        d = self.device
+        capability = torch.cuda.get_device_capability(d) if d.type == "cuda" else None
+        dit = files["dit"]
+        compute = {"fp8_scaled": "fp8 GEMMs" if fp8_compute(d.type, capability) else "fp8 weights dequantized per layer",
+                   "int8_convrot": "int8 W8A8" if int8_compute(d.type, capability) else
+                   "int8 weights dequantized per layer"}.get(dit["format"], str(self.dit.dtype).removeprefix("torch."))
+        return (f"DiT {dit['name']} ({dit['format']}{', pruned' if dit['pruned'] else ''}; {compute}) · text encoder "
+                f"{files['text_encoder']['format']} · VAEs {files['video_vae']['format']}/"
+                f"{files['audio_vae']['format']}")
 
     # ---- request rules -------------------------------------------------------------------------------------
     def plan(self, req: GenerateRequest) -> tuple[int, int, int, int, list[str]]:
@@ -204,17 +227,22 @@ class H3Pipeline:
             return self._generate(req, frames, height, width, steps, notes, keyframes, images, on_step)
 
     def resolve_lora(self, path: str) -> Path:
-        """LoRA files are confined to the LoRA root (the models directory) when one is configured."""
-        if self.lora_root is None:
-            p = Path(path)
-        else:
-            root = self.lora_root.resolve()
+        """A LoRA name relative to one of the LoRA roots (the models directory, ComfyUI's loras folders), or a path
+        inside one; the first root holding the file wins. Without roots any readable path is taken."""
+        if not self.lora_roots:
+            if not Path(path).is_file():
+                raise L.LayoutError(f"LoRA file {path!r} not found.")
+            return Path(path)
+        inside = False
+        for root in (r.resolve() for r in self.lora_roots):
             p = (root / path).resolve()
-            if root not in p.parents:
-                raise L.LayoutError(f"LoRA path {path!r} is outside the models directory.")
-        if not p.is_file():
-            raise L.LayoutError(f"LoRA file {path!r} not found.")
-        return p
+            if root in p.parents:
+                inside = True
+                if p.is_file():
+                    return p
+        if not inside:
+            raise L.LayoutError(f"LoRA path {path!r} is outside the models directory and the LoRA folders.")
+        raise L.LayoutError(f"LoRA file {path!r} not found in " + ", ".join(str(r) for r in self.lora_roots) + ".")
 
     # ---- shared stages ----------------------------------------------------------------------------------------
     @contextlib.contextmanager
