@@ -69,8 +69,6 @@ def main() -> int:
             for key in [key for key in row if key.endswith("_ms")]:
                 row[key.removesuffix("_ms") + "_TOPS"] = round(flop / row[key] / 1e9, 1)
             table[name] = {key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}
-            del x, w, wq, xq, w8, x8
-            torch.cuda.empty_cache()
         totals = {key: round(sum(r[key] for r in table.values()), 2) for key in next(iter(table.values()))
                   if key.endswith("_ms")}
         results["rows"][str(m)] = {"gemms": table, "total_ms": totals}

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.models.h3.checkpoint import save_dit
-from engine.models.h3.conditioner import build_tiny_qwen3vl
+from engine.models.h3.conditioner import build_tiny_conditioner
 from engine.models.h3.config import TINY
 from engine.models.h3.dit import build_dit
 from engine.models.h3.prune import prune_adaln
@@ -52,7 +52,7 @@ def trees(tmp_path_factory):
     dit = prune_adaln(build_dit(TINY, seed=0))
     dit = quantize_linears(copy.deepcopy(published(dit)), dict.fromkeys(gemm_names(TINY), QuantSpec("float8_e4m3fn")))
     save_dit(dit, root / "diffusion_models" / DIT)
-    save_file(bf16_tensors(build_tiny_qwen3vl(0, TINY.text_dim)), root / "text_encoders" / TEXT_ENCODER)
+    save_file(bf16_tensors(build_tiny_conditioner(0, TINY.text_dim).model), root / "text_encoders" / TEXT_ENCODER)
     comfy_video_vae_file(build_tiny_video_vae(0), root / "vae" / VIDEO_VAE)
     comfy_audio_vae_file(build_tiny_audio_vae(0), root / "vae" / AUDIO_VAE)
     torch.manual_seed(0)

@@ -13,7 +13,8 @@ from engine.models.h3.checkpoint import CheckpointError
 from engine.models.h3.conditioner import (IMAGE_PAD, TINY_SPECIALS, VIDEO_PAD, VISION_END, VISION_START,
                                           Conditioner, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
                                           build_tiny_image_processor, build_tiny_tokenizer,
-                                          comfy_text_encoder_name, qwen3vl_32b_config)
+                                          comfy_text_encoder_name, qwen3vl_32b_config,
+                                          text_encoder_file_tensors)
 from engine.quant import int8_convrot, nvfp4
 
 LAYERS = 2
@@ -56,8 +57,7 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def bf16_tensors(model):
-    return {comfy_text_encoder_name(k): v.bfloat16() for k, v in model.state_dict().items()
-            if k not in ("lm_head.weight", "model.language_model.norm.weight")}
+    return text_encoder_file_tensors(model)
 
 
 def marker(d):

@@ -5,42 +5,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models.h3.checkpoint import interleave_qkv, swap_halves
-from engine.models.h3.vae import (TINY_AUDIO_VAE, TINY_VIDEO_VAE,
+from engine.models.h3.vae import (TINY_AUDIO_VAE, TINY_VIDEO_VAE, VideoVAE,
                                   build_tiny_audio_vae, build_tiny_video_vae, load_audio_vae_file,
-                                  load_video_vae_file, original_video_vae_plan)
+                                  load_video_vae_file, save_audio_vae_file,
+                                  save_video_vae_file)
 
 
 def comfy_video_vae_file(vae, path, prefix=""):
-    sd = vae.model.state_dict()
-    out = {}
-    for original, targets in original_video_vae_plan(vae.model).items():
-        if ".attn.to_qkv." in original:
-            tensor = interleave_qkv(torch.cat([sd[t] for t in targets]), vae.model.config.decoder_num_attention_heads)
-        elif ".ff.w1." in original:
-            tensor = swap_halves(sd[targets[0]])
-        else:
-            tensor = sd[targets[0]]
-        out[prefix + original] = tensor.half()
-    out[prefix + "decoder.mask_token"] = torch.zeros(1, 1, vae.model.config.decoder_num_attention_heads * 16).half()
-    out[prefix + "latents_mean"] = torch.tensor(vae.latents_mean_values)
-    out[prefix + "latents_std"] = torch.tensor(vae.latents_std_values) * 2  # proves the file's stats are used
-    save_file({k: v.contiguous() for k, v in out.items()}, path)
-    return path
+    """The file with doubled latent stds: loading it proves the file's statistics are used."""
+    doubled = VideoVAE(vae.model, vae.latents_mean_values, [2 * s for s in vae.latents_std_values])
+    return save_video_vae_file(doubled, path, prefix)
 
 
 def comfy_audio_vae_file(vae, path):
-    out = {}
-    for name, module in vae.model.named_modules():
-        if hasattr(module, "weight_g"):
-            out[f"{name}.weight"] = torch._weight_norm(module.weight_v, module.weight_g, 0).detach()
-    for key, value in vae.model.state_dict().items():
-        if not key.endswith((".weight_g", ".weight_v")):
-            out[key] = value
-    out["latents_mean"] = torch.tensor(vae.latents_mean_values)
-    out["latents_std"] = torch.tensor(vae.latents_std_values)
-    save_file({k: v.contiguous() for k, v in out.items()}, path)
-    return path
+    return save_audio_vae_file(vae, path)
 
 
 @pytest.mark.parametrize("prefix", ["", "first_stage_model."])

@@ -26,7 +26,8 @@ def _have_triton() -> bool:
 
 
 def _triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and _have_triton()
+    """The Triton kernels are forward-only: under autograd (training) the torch path runs."""
+    return x.is_cuda and _have_triton() and not torch.is_grad_enabled()
 
 
 def modulated_rms_norm(x: torch.Tensor, norm: nn.RMSNorm, shift: torch.Tensor, scale: torch.Tensor,

@@ -77,12 +77,12 @@ class ModelSource:
     def embedded(self) -> str | None:
         """"tiny" when the weights have the embedded default's architecture (the preset, or single files of it),
         whose canvas and work limits are small; None for the released model."""
-        from engine.models.h3.conditioner import tiny_text_encoder_width
+        from engine.models.h3.conditioner import tiny_text_encoder_shape
 
         if self.preset:
             return self.preset
         text_encoder = dict(self.files).get("text_encoder")
-        return "tiny" if text_encoder and tiny_text_encoder_width(text_encoder) else None
+        return "tiny" if text_encoder and tiny_text_encoder_shape(text_encoder) else None
 
     def lora_roots(self) -> list[Path]:
         return [*self.roots().folders["loras"], *([Path(self.models_dir)] if self.models_dir else [])]

@@ -106,9 +106,9 @@ class Conditioner:
         """A Comfy-Org text-encoder file. Without `config` the header tells the architecture: the released
         Qwen3-VL-32B, whose tokenizer the file lacks (`tokenizer_dir`: see `load_tokenizer`), or the embedded
         default's, whose byte-level tokenizer is built in."""
-        width = tiny_text_encoder_width(path) if config is None else None
-        if width:
-            config, layer = tiny_qwen3vl_config(width), TINY_LAYER if layer is None else layer
+        tiny = tiny_text_encoder_shape(path) if config is None else None
+        if tiny:
+            config, layer = tiny_qwen3vl_config(*tiny), tiny[1] if layer is None else layer
             tokenizer, image_processor = build_tiny_tokenizer(), build_tiny_image_processor()
         else:
             layer = REAL_LAYER if layer is None else layer
@@ -232,6 +232,12 @@ def comfy_text_encoder_name(key: str) -> str:
     if key.startswith("model.visual."):
         return key[len("model."):]
     return "model." + key[len("model.language_model."):]
+
+
+def text_encoder_file_tensors(model: Qwen3VLForConditionalGeneration) -> dict[str, torch.Tensor]:
+    """A Qwen3-VL as the bf16 Comfy text-encoder file holds it (flat names; no LM head, no final norm)."""
+    return {comfy_text_encoder_name(k): v.detach().bfloat16().contiguous().cpu()
+            for k, v in model.state_dict().items() if k not in ("lm_head.weight", "model.language_model.norm.weight")}
 
 
 def _read_marker(f, key: str, path: Path) -> dict:
@@ -363,12 +369,12 @@ def build_tiny_image_processor() -> Qwen2VLImageProcessorPil:
                                     image_std=[0.5] * 3, size={"shortest_edge": 32 * 32, "longest_edge": 96 * 96})
 
 
-def tiny_qwen3vl_config(hidden_size: int = 32) -> Qwen3VLConfig:
+def tiny_qwen3vl_config(hidden_size: int = 32, layers: int = TINY_LAYERS) -> Qwen3VLConfig:
     """The embedded default's Qwen3-VL: the byte-level vocabulary, 3 layers, a 2-block vision tower."""
     ids = {t: 256 + i for i, t in enumerate(TINY_SPECIALS)}
     return Qwen3VLConfig(
         text_config=dict(vocab_size=TINY_VOCAB, hidden_size=hidden_size,
-                         intermediate_size=2 * hidden_size, num_hidden_layers=TINY_LAYERS, num_attention_heads=4,
+                         intermediate_size=2 * hidden_size, num_hidden_layers=layers, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
                          rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1],
                                               mrope_interleaved=True)),
@@ -379,11 +385,15 @@ def tiny_qwen3vl_config(hidden_size: int = 32) -> Qwen3VLConfig:
         vision_end_token_id=ids[VISION_END])
 
 
-def tiny_text_encoder_width(path: str | Path) -> int | None:
-    """The hidden size when a text-encoder file holds the embedded default's architecture (its byte-level
-    vocabulary), else None (the released Qwen3-VL-32B)."""
-    shape = read_header(Path(path)).get(EMBED_KEY, {}).get("shape")
-    return int(shape[1]) if shape and shape[0] == TINY_VOCAB else None
+def tiny_text_encoder_shape(path: str | Path) -> tuple[int, int] | None:
+    """(hidden size, layers kept) when a text-encoder file holds the embedded default's architecture (its
+    byte-level vocabulary), else None (the released Qwen3-VL-32B)."""
+    header = read_header(Path(path))
+    shape = header.get(EMBED_KEY, {}).get("shape")
+    if not shape or shape[0] != TINY_VOCAB:
+        return None
+    layers = {int(m.group(1)) for k in header if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    return int(shape[1]), len(layers)
 
 
 def build_tiny_qwen3vl(seed: int = 0, hidden_size: int = 32) -> Qwen3VLForConditionalGeneration:

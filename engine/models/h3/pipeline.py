@@ -136,12 +136,12 @@ class H3Pipeline:
         tells the architecture of the set: the released one (tokenizer from `tokenizer_dir`, which the files lack)
         or the embedded default's (tokenizer built in, its small canvas). `configs` may override the architectures
         ("text_encoder", "layer", "video_vae", "audio_vae", "canvas")."""
-        from engine.models.h3.conditioner import tiny_text_encoder_width
+        from engine.models.h3.conditioner import tiny_text_encoder_shape
         from engine.models.h3.model_files import describe_file
         from engine.models.h3.vae import TINY_AUDIO_VAE, TINY_VIDEO_VAE, load_audio_vae_file, load_video_vae_file
 
         device, configs = torch.device(device), dict(configs or {})
-        if "text_encoder" not in configs and tiny_text_encoder_width(text_encoder):
+        if "text_encoder" not in configs and tiny_text_encoder_shape(text_encoder):
             configs = {"video_vae": dict(TINY_VIDEO_VAE), "audio_vae": dict(TINY_AUDIO_VAE), "canvas": TINY_CANVAS,
                        **configs}
         conditioner = Conditioner.from_single_file(text_encoder, tokenizer_dir, configs.get("text_encoder"),

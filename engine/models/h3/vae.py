@@ -22,10 +22,11 @@ from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.models.modeling_utils import no_init_weights
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from engine.io.convert import to_uint8_frames
-from engine.models.h3.checkpoint import deinterleave_qkv, swap_halves
+from engine.models.h3.checkpoint import deinterleave_qkv, interleave_qkv, swap_halves
 from engine.models.h3.layout import CLIP_LENGTH, LATENTS_PER_CHUNK, latent_frames
 
 # Spec §3.1, exactly as published.
@@ -617,3 +618,38 @@ def load_audio_vae_file(path: str | Path, config: dict | None = None) -> AudioVA
     stats: dict = {}
     _load_strict(model, _single_file_items(path, stats), path.name)
     return AudioVAE(model, *_latent_stats(stats, path))
+
+
+def save_video_vae_file(vae: VideoVAE, path: str | Path, prefix: str = "") -> Path:
+    """A video VAE as the Comfy single file `load_video_vae_file` reads: original names in F16, the latent
+    statistics as buffers (the trained embedded default is written this way)."""
+    sd, out = vae.model.state_dict(), {}
+    heads = vae.model.config.decoder_num_attention_heads
+    for original, targets in original_video_vae_plan(vae.model).items():
+        if ".attn.to_qkv." in original:
+            tensor = interleave_qkv(torch.cat([sd[t] for t in targets]), heads)
+        elif ".ff.w1." in original:
+            tensor = swap_halves(sd[targets[0]])
+        else:
+            tensor = sd[targets[0]]
+        out[prefix + original] = tensor.half()
+    out[prefix + "decoder.mask_token"] = torch.zeros(1, 1, heads * 16).half()  # unused at inference
+    out[prefix + "latents_mean"] = torch.tensor(vae.latents_mean_values)
+    out[prefix + "latents_std"] = torch.tensor(vae.latents_std_values)
+    save_file({k: v.detach().contiguous().cpu() for k, v in out.items()}, str(path))
+    return Path(path)
+
+
+def save_audio_vae_file(vae: AudioVAE, path: str | Path) -> Path:
+    """An audio VAE as the Comfy single file `load_audio_vae_file` reads: weight norms folded, fp32, statistics."""
+    out = {}
+    for name, module in vae.model.named_modules():
+        if hasattr(module, "weight_g"):
+            out[f"{name}.weight"] = torch._weight_norm(module.weight_v, module.weight_g, 0)
+    for key, value in vae.model.state_dict().items():
+        if not key.endswith((".weight_g", ".weight_v")):
+            out[key] = value
+    out["latents_mean"] = torch.tensor(vae.latents_mean_values)
+    out["latents_std"] = torch.tensor(vae.latents_std_values)
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in out.items()}, str(path))
+    return Path(path)

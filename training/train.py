@@ -1,0 +1,363 @@
+"""Train the embedded default on the toy world: the tiny video and audio VAEs, then a small H3 DiT on their latents.
+
+    python -m training.train --minutes 8 --seed 0 --out engine/weights/toy     # GPU machine
+    python -m training.train --smoke                                            # CPU: a few steps of each stage
+
+Every part is the engine's own class: the diffusers video / audio VAEs at the tiny preset's widths (the real
+compression and frame rules), our H3 DiT (`TOY`: the tiny preset's architecture, wider and deeper), and the tiny
+Qwen3-VL conditioner drawn from seed 0 and kept frozen. The DiT learns what every H3 task feeds it: t2va, first /
+last keyframe rows (fl2va) and masked edits (regenerated cells at their timestep, the rest at the condition level).
+
+Weights go out as Comfy-Org single files in the published schemas (DiT comfy layout bf16, text encoder bf16, video
+VAE F16 and audio VAE F32 with their latent statistics), so the engine loads them with the strict loaders of real
+checkpoints (`H3Pipeline.from_files`); `--resume` starts from them. A JSON-lines log (losses, eval scores) goes
+beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from dataclasses import replace
+from multiprocessing import Pool
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from engine.kernels import attention
+from engine.models.h3 import layout as L
+from engine.models.h3.checkpoint import save_dit
+from engine.models.h3.conditioner import build_tiny_conditioner, text_encoder_file_tensors
+from engine.models.h3.config import TINY
+from engine.models.h3.denoise import Target
+from engine.models.h3.dit import build_dit
+from engine.models.h3.pipeline import KEYFRAME_NOISE_AUG, Canvas, GenerateRequest, H3Pipeline
+from engine.models.h3.schedule import AUDIO_SHIFT, VIDEO_SHIFT
+from engine.models.h3.vae import (IMAGENET_MEAN, IMAGENET_STD, TINY_TILE_OVERLAP, TINY_TILE_SIZE, AudioVAE, VideoVAE,
+                                  build_tiny_audio_vae, build_tiny_video_vae, save_audio_vae_file,
+                                  save_video_vae_file)
+from training.captions import caption
+from training.scoring import score_clip
+from training.toy_scene import sample_scene
+from training.toy_world import render
+
+# The embedded default's DiT: the tiny preset's architecture (text width 32, partial RoPE) at 256 wide, 6 blocks.
+TOY = replace(TINY, num_attention_heads=4, attention_head_dim=64, hidden_size=256, num_layers=6, num_refiner_layers=1,
+              ffn_dim=768, time_embed_hidden_dim=256, time_embed_dim=64, rope_freq_dim=8)
+FILES = {"dit": "minimax_h3_fl2va_toy_bf16.safetensors", "text_encoder": "qwen3vl_toy_bf16.safetensors",
+         "video_vae": "minimax_h3_toy_video_vae_fp16.safetensors",
+         "audio_vae": "minimax_h3_toy_audio_vae_fp32.safetensors"}
+EVAL_SEED = 10_000_000  # scenes from here on are never trained on
+TASKS = {"t2va": 0.5, "first": 0.15, "first_last": 0.1, "edit": 0.25}  # share of DiT steps per layout
+VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of the temporal chunking
+STAGES = {"video_vae": 0.3, "audio_vae": 0.15, "dit": 0.55}  # share of the time budget
+
+
+def render_clip(args: tuple[int, int, int, float]) -> tuple[np.ndarray, np.ndarray, str]:
+    seed, width, height, seconds = args
+    clip = render(sample_scene(seed, width, height), width, height, seconds)
+    return clip.frames, clip.audio, clip.caption
+
+
+def toy_clips(seeds, width: int, height: int, seconds: float, workers: int) -> list[tuple[np.ndarray, np.ndarray, str]]:
+    jobs = [(s, width, height, seconds) for s in seeds]
+    if workers <= 1:
+        return [render_clip(j) for j in jobs]
+    with Pool(workers) as pool:
+        return pool.map(render_clip, jobs, chunksize=4)
+
+
+class Log:
+    def __init__(self, path: Path | None):
+        self.path, self.t0, self.last = path, time.monotonic(), {}
+
+    def __call__(self, stage: str, step: int, total: int | None = None, **values) -> None:
+        self.last[stage] = values
+        row = {"stage": stage, "step": step, "s": round(time.monotonic() - self.t0, 1), **values}
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        done = f"{step}/{total}" if total else str(step)
+        shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
+        print(f"[{row['s']:7.1f} s] {stage:9s} {done:>11s} {shown}", flush=True)
+
+
+def timed_steps(budget_s: float, max_steps: int | None):
+    """Step numbers until the budget (or the step cap) runs out."""
+    end, step = time.monotonic() + budget_s, 0
+    while time.monotonic() < end and (max_steps is None or step < max_steps):
+        yield step
+        step += 1
+
+
+def pixels(frames: np.ndarray, device) -> torch.Tensor:
+    """uint8 [B, F, H, W, 3] -> ImageNet-normalised [B, 3, F, H, W], the video VAE's input space."""
+    x = torch.from_numpy(frames).to(device).permute(0, 4, 1, 2, 3).float() / 255
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1, 1)
+    return (x - mean) / std
+
+
+def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log, rng, max_steps=None) -> None:
+    model, device = vae.model.train(), vae.device
+    model.disable_tiling()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    num_frames = clips[0][0].shape[0]
+    for step in timed_steps(budget_s, max_steps):
+        # A smoke run (max_steps) fits one batch, so its loss must fall; a real run draws clips and windows.
+        picks = range(batch) if max_steps else rng.integers(len(clips), size=batch)
+        start = 0 if max_steps else int(rng.integers(0, num_frames - VAE_FRAMES + 1))
+        x = pixels(np.stack([clips[i][0][start:start + VAE_FRAMES] for i in picks]), device)
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            posterior = model.encode(x).latent_dist
+            y = model.decode(posterior.sample()).sample
+        recon = F.mse_loss(y.float(), x)
+        loss = recon + 1e-6 * posterior.kl().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or max_steps:
+            log("video_vae", step, max_steps, recon=recon.item())
+    model.eval()
+    model.enable_tiling(TINY_TILE_SIZE, TINY_TILE_SIZE, TINY_TILE_OVERLAP, TINY_TILE_OVERLAP)
+
+
+def stft_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Multi-resolution log-magnitude STFT distance: hums, clicks and rain are judged by their spectra."""
+    loss = 0.0
+    for n_fft in (256, 1024, 2048):
+        if x.shape[-1] < n_fft:
+            continue
+        window = torch.hann_window(n_fft, device=x.device)
+        sy, sx = (torch.stft(a.reshape(-1, a.shape[-1]), n_fft, n_fft // 4, window=window, return_complex=True).abs()
+                  for a in (y, x))
+        loss = loss + (torch.log(sy + 1e-5) - torch.log(sx + 1e-5)).abs().mean()
+    return loss
+
+
+def train_audio_vae(vae: AudioVAE, clips, budget_s: float, batch: int, seconds: float, log: Log, rng,
+                    max_steps=None) -> None:
+    model, device = vae.model.train(), vae.device
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    length = int(seconds * vae.sample_rate) // vae.hop * vae.hop
+    for step in timed_steps(budget_s, max_steps):
+        segments = []
+        for i in (range(batch) if max_steps else rng.integers(len(clips), size=batch)):
+            audio = clips[i][1]
+            start = 0 if max_steps else int(rng.integers(0, audio.shape[1] - length + 1))
+            segments.append(audio[0 if max_steps else int(rng.integers(2)), start:start + length])
+        x = torch.from_numpy(np.stack(segments)).to(device)[:, None]
+        y = model(x, sample_posterior=True).sample[..., :length]
+        wave = F.l1_loss(y, x)
+        loss = wave + stft_loss(y, x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or max_steps:
+            log("audio_vae", step, max_steps, l1=wave.item(), loss=loss.item())
+    model.eval()
+
+
+@torch.no_grad()
+def latent_stats(vae, clips, encode, channel_dim: int, samples: int) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of the raw latents over some clips (the VAE files carry them)."""
+    z = torch.cat([encode(vae, clip).float().movedim(channel_dim, 0).flatten(1) for clip in clips[:samples]], dim=1)
+    return z.mean(dim=1).tolist(), z.std(dim=1).clamp(min=1e-3).tolist()
+
+
+def video_vae(model, mean=None, std=None) -> VideoVAE:
+    channels = model.config.latent_channels
+    return VideoVAE(model, mean or [0.0] * channels, std or [1.0] * channels, TINY_TILE_SIZE, TINY_TILE_OVERLAP)
+
+
+def audio_vae(model, mean=None, std=None) -> AudioVAE:
+    channels = model.config.latent_channels
+    return AudioVAE(model, mean or [0.0] * channels, std or [1.0] * channels)
+
+
+def encode_video(vae: VideoVAE, clip) -> torch.Tensor:
+    return vae.encode_frames(torch.from_numpy(clip[0]))[0]  # [24, T, h, w]
+
+
+def encode_audio(vae: AudioVAE, clip) -> torch.Tensor:
+    return vae.encode(torch.from_numpy(clip[1]), vae.sample_rate)  # [2, 32, Ta]
+
+
+def sigma(u: torch.Tensor, shift: float) -> torch.Tensor:
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def box_rows(T: int, h: int, w: int, patch, rng) -> torch.Tensor:
+    """A random box of latent cells over all frames, as a 0/1 mask per video row."""
+    ph, pw = patch
+    gh, gw = h // ph, w // pw
+    bh, bw = int(rng.integers(1, gh + 1)), int(rng.integers(1, gw + 1))
+    y0, x0 = int(rng.integers(0, gh - bh + 1)), int(rng.integers(0, gw - bw + 1))
+    cells = torch.zeros(gh, gw)
+    cells[y0:y0 + bh, x0:x0 + bw] = 1
+    return cells.flatten().repeat(T)
+
+
+def dit_step(pipe: H3Pipeline, sample: dict, task: str, rng, gen: torch.Generator) -> torch.Tensor:
+    """The flow-matching loss of one clip under one task's layout: x_t = (1 - s) x0 + s e, the DiT predicts
+    x0 - e (the engine's data-ward velocity) at timestep 1 - s."""
+    dit, device = pipe.dit, pipe.device
+    latents, audio, (text, tags) = sample["video"], sample["audio"], sample["text"]
+    _, T, h, w = latents.shape
+    Ta = audio.shape[-1]
+    keyframes = {"first": ("first",), "first_last": ("first", "last")}.get(task, ())
+    layout = L.build_layout(tags, T, h, w, Ta, dit.config.patch_size[1:], keyframes).to(device)
+    x0v, x0a = L.patchify(latents[None]), L.pack_audio(audio[None])
+
+    def noise(like):
+        return torch.randn(like.shape, generator=gen, device="cpu").to(device)
+
+    u = torch.rand((), generator=gen)
+    s_v, s_a = float(sigma(u, VIDEO_SHIFT)), float(sigma(u, AUDIO_SHIFT))
+    ev, ea = noise(x0v), noise(x0a)
+    xv, xa = (1 - s_v) * x0v + s_v * ev, (1 - s_a) * x0a + s_a * ea
+    cond = [L.patchify(KEYFRAME_NOISE_AUG * sample[k][None] + (1 - KEYFRAME_NOISE_AUG) * noise(sample[k][None]))
+            for k in keyframes]
+    t_video = 1 - s_v
+    weight = torch.ones(x0v.shape[1], device=device)
+    if task == "edit":  # regenerated cells at 1 - s, the rest of the source at the condition level (denoise.Target)
+        q = box_rows(T, h, w, dit.config.patch_size[1:], rng).to(device)
+        anchor = L.CONDITION_TIMESTEP * x0v + (1 - L.CONDITION_TIMESTEP) * noise(x0v)
+        xv = torch.lerp(anchor, xv, q[None, :, None])
+        t_video = Target(xv, cap=L.CONDITION_TIMESTEP, model_mask=q.cpu()).timesteps(s_v)
+        weight = q
+    timestep, idx = L.row_timesteps(layout, t_video, 1 - s_a, t_text=1 - s_v)
+    cond_v = torch.cat(cond, dim=1) if cond else xv[:, :0]
+    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        v_out, a_out = dit(torch.cat([cond_v, xv], dim=1), xa, text, timestep.to(device), idx.to(device),
+                           layout.token_tags, layout.position_ids, layout.video_indices, layout.audio_indices,
+                           layout.text_indices)
+    v_err = (v_out[:, cond_v.shape[1]:].float() - (x0v - ev)).pow(2).mean(-1)[0]
+    video_loss = (v_err * weight).sum() / weight.sum().clamp(min=1)
+    return video_loss + F.mse_loss(a_out.float(), x0a - ea)
+
+
+def prepare(pipe: H3Pipeline, clips) -> list[dict]:
+    """Each clip's latents, keyframe latents and prompt embedding, on the device (frozen parts run once)."""
+    out = []
+    with torch.no_grad():
+        for clip in clips:
+            frames = torch.from_numpy(clip[0])
+            out.append({"video": encode_video(pipe.video_vae, clip).float(),
+                        "audio": encode_audio(pipe.audio_vae, clip).float(),
+                        "first": pipe.video_vae.encode_image(frames[0])[0].float(),
+                        "last": pipe.video_vae.encode_image(frames[-1])[0].float(),
+                        "text": pipe.encode_prompt(clip[2])})
+    return out
+
+
+def evaluate(pipe: H3Pipeline, scenes, steps: int) -> dict:
+    """t2va on held-out captions, scored from the decoded frames and sound alone: the share of clips passing
+    each check, and all of them."""
+    pipe.dit.eval()
+    width, height = pipe.canvas.max_pixels // pipe.canvas.short_edge, pipe.canvas.short_edge
+    passed, checks = 0, {}
+    for scene in scenes:
+        result = pipe.generate(GenerateRequest(prompt=caption(scene), seed=scene.seed, steps=steps, width=width,
+                                               height=height))
+        verdict = score_clip(result.frames.numpy(), np.asarray(result.audio), scene)["checks"]
+        passed += all(verdict.values())
+        for name, ok in verdict.items():
+            checks[name] = checks.get(name, 0) + bool(ok)
+    pipe.dit.train()
+    return {"t2va_pass": passed / len(scenes), **{f"{k}_rate": v / len(scenes) for k, v in checks.items()}}
+
+
+def save(pipe: H3Pipeline, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    save_dit(copy.deepcopy(pipe.dit).set_dtype(torch.bfloat16).cpu(), out / FILES["dit"])
+    save_file(text_encoder_file_tensors(pipe.conditioner.model), str(out / FILES["text_encoder"]))
+    save_video_vae_file(pipe.video_vae, out / FILES["video_vae"])
+    save_audio_vae_file(pipe.audio_vae, out / FILES["audio_vae"])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Train the embedded default (toy world) and write its weight files.")
+    p.add_argument("--minutes", type=float, default=8.0, help="time budget of the three stages together")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clips", type=int, default=768, help="toy clips rendered for training")
+    p.add_argument("--out", type=Path, default=Path("engine/weights/toy"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--resume", action="store_true", help="start from the weight files in --out")
+    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
+    p.add_argument("--eval-every", type=int, default=4000, help="DiT steps between held-out evaluations")
+    p.add_argument("--smoke", action="store_true", help="CPU check: tiny canvas, a few steps of each stage")
+    args = p.parse_args(argv)
+    torch.manual_seed(args.seed)
+    rng, gen = np.random.default_rng(args.seed), torch.Generator().manual_seed(args.seed)
+    device = torch.device(args.device)
+    width, height = (96, 64) if args.smoke else (224, 128)
+    steps_cap = 6 if args.smoke else None
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = Log(args.out / ("smoke_log.jsonl" if args.smoke else "train_log.jsonl"))
+    attention.set_backend("sdpa")  # differentiable everywhere; FA3 here has no backward
+
+    # A smoke run's clips are one VAE window long (22 frames): every stage runs, in seconds on a CPU.
+    clips = toy_clips(range(args.seed * 1_000_000, args.seed * 1_000_000 + (2 if args.smoke else args.clips)),
+                      width, height, 0.9 if args.smoke else 5.0, 1 if args.smoke else 16)
+    log("data", len(clips), frames=int(clips[0][0].shape[0]), canvas=f"{width}x{height}")
+    if args.resume:
+        pipe = H3Pipeline.from_files(*(args.out / FILES[k] for k in ("dit", "text_encoder", "video_vae", "audio_vae")),
+                                     device=device, dtype=torch.float32)
+    else:
+        pipe = H3Pipeline(build_dit(TOY, seed=args.seed, device=device), build_tiny_video_vae(args.seed).to(device),
+                          build_tiny_audio_vae(args.seed).to(device), build_tiny_conditioner(0, TOY.text_dim).to(device),
+                          Canvas(short_edge=height, max_pixels=height * width, default_steps=8), device, "toy")
+    pipe.canvas = Canvas(short_edge=height, max_pixels=height * width, default_steps=8)
+    pipe.encode_mp4, pipe.adaln_cache = False, None
+    budget = args.minutes * 60
+    if "video_vae" in args.stages:
+        train_video_vae(pipe.video_vae, clips, budget * STAGES["video_vae"], 1 if args.smoke else 8, log, rng,
+                        steps_cap)
+        raw = video_vae(pipe.video_vae.model).to(device)
+        pipe.video_vae = video_vae(pipe.video_vae.model, *latent_stats(raw, clips, encode_video, 0, 32)).to(device)
+    if "audio_vae" in args.stages:
+        train_audio_vae(pipe.audio_vae, clips, budget * STAGES["audio_vae"], 1 if args.smoke else 16,
+                        0.1 if args.smoke else 1.0, log, rng, steps_cap)
+        raw = audio_vae(pipe.audio_vae.model).to(device)
+        pipe.audio_vae = audio_vae(pipe.audio_vae.model, *latent_stats(raw, clips, encode_audio, 1, 32)).to(device)
+    if "dit" in args.stages:
+        data = prepare(pipe, clips)
+        log("encoded", len(data))
+        dit = pipe.dit.float().train().requires_grad_(True)
+        opt = torch.optim.AdamW(dit.parameters(), lr=3e-4, weight_decay=0.01)
+        names, shares = list(TASKS), np.array(list(TASKS.values()))
+        eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(4)]
+        total = 0.0
+        for step in timed_steps(budget * STAGES["dit"], steps_cap):
+            task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
+            if args.smoke:  # one clip, one layout, one noise draw: the loss must fall
+                task, gen = "t2va", torch.Generator().manual_seed(args.seed)
+            loss = dit_step(pipe, data[0 if args.smoke else int(rng.integers(len(data)))], task, rng, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
+            opt.step()
+            total += loss.item()
+            if step % 200 == 199 or args.smoke:
+                log("dit", step + 1, steps_cap, loss=total / (1 if args.smoke else 200))
+                total = 0.0
+            if not args.smoke and step and step % args.eval_every == 0:
+                log("eval", step, None, **evaluate(pipe, eval_scenes, 9))
+        if args.smoke:
+            log("eval", steps_cap, None, **evaluate(pipe, eval_scenes[:1], 3))
+        dit.eval()
+    save(pipe, args.out)
+    log("saved", 0, out=str(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
