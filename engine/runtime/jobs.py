@@ -62,6 +62,7 @@ class ModelSource:
     files: tuple[tuple[str, str], ...] = ()
     # More roots per ComfyUI folder, (folder, directory) pairs (`--model-path`); models_dir's subfolders come first.
     model_paths: tuple[tuple[str, str], ...] = ()
+    dit_precision: str = "bf16"  # fp8 / int8: the block GEMMs quantized at load (engine.models.h3.precision)
 
     def describe(self) -> str:
         if self.files:
@@ -90,6 +91,7 @@ class ModelSource:
 
 def load_pipeline(source: ModelSource, ctx: RankContext):
     from engine.models.h3.pipeline import H3Pipeline  # heavy (torch, diffusers): only inside the engine
+    from engine.models.h3.precision import set_precision
 
     if source.preset:
         pipe = H3Pipeline.from_preset(source.preset, device=ctx.device, lora_roots=source.lora_roots())
@@ -97,6 +99,7 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
         pipe = H3Pipeline.from_files(**dict(source.files), device=ctx.device, lora_roots=source.lora_roots())
     else:
         pipe = H3Pipeline.from_models(source.models_dir, device=ctx.device)
+    set_precision(pipe.dit, source.dit_precision)
     if ctx.world_size > 1:
         pipe.adaln_cache.group = ctx.control  # every rank agrees on a hit before using its tables
     attention.set_backend(source.attention)

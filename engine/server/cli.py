@@ -71,6 +71,9 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
                         "it runs (default: $H3FORGE_MEMORY_CAP_GB, else no cap)")
     p.add_argument("--attention", choices=("auto", "fa3", "cudnn", "flex", "sdpa"), default="auto",
                    help="attention kernel (auto: FA3 on Hopper when installed, else cuDNN on CUDA, SDPA on CPU)")
+    p.add_argument("--dit-precision", choices=("bf16", "fp8", "int8"), default="bf16",
+                   help="quantize the DiT's block GEMMs at load: fp8 (per-tensor scale) or int8 ConvRot W8A8; "
+                        "half the DiT's memory (default bf16: as stored)")
     p.add_argument("--vsa-sparsity", type=float, default=0.0, metavar="S",
                    help="H3 video sparse attention: fraction of video cubes skipped, e.g. 0.875 (0: dense)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
@@ -147,7 +150,8 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, lambda *_: ignore_hangup())  # a closed terminal must not end a serving engine
     if not 0 <= args.vsa_sparsity < 1:
         raise SystemExit("--vsa-sparsity must be at least 0 and below 1 (e.g. 0.875).")
-    options = dict(attention=None if args.attention == "auto" else args.attention, vsa_sparsity=args.vsa_sparsity)
+    options = dict(attention=None if args.attention == "auto" else args.attention, vsa_sparsity=args.vsa_sparsity,
+                   dit_precision=args.dit_precision)
     source = model_source(args, **options)
     if source.preset and not args.preset:
         log_event("engine.default_preset", note="no --models or $H3FORGE_MODELS: serving the tiny preset "

@@ -170,21 +170,29 @@ class H3Pipeline:
 
     def weights_summary(self) -> str:
         """One line for the node status line and the dashboard: which files, formats and compute precisions."""
-        from engine.quant.fp8 import fp8_compute
-        from engine.quant.int8_convrot import int8_compute
-
         files = getattr(self, "files", None)
+        stored = files["dit"]["format"] if files else str(self.dit.dtype).removeprefix("torch.")
+        compute = self.gemm_compute()
+        dit = (f"DiT {files['dit']['name']} ({stored}{', pruned' if files['dit']['pruned'] else ''}; {compute})"
+               if files else f"H3 {self.name} ({stored}; {compute})")
         if not files:
-            return f"H3 {self.name} ({str(self.dit.dtype).removeprefix('torch.')})"
+            return dit
+        return (f"{dit} · text encoder {files['text_encoder']['format']} · VAEs {files['video_vae']['format']}/"
+                f"{files['audio_vae']['format']}")
+
+    def gemm_compute(self) -> str:
+        """How the DiT's block GEMMs run: fp8 / int8 GEMMs, quantized weights dequantized per layer, or a float."""
+        from engine.quant.fp8 import Fp8Linear, fp8_compute
+        from engine.quant.int8_convrot import Int8ConvRotLinear, int8_compute
+
+        layer = self.dit.blocks[0].attn.qkv_proj
         d = self.device
         capability = torch.cuda.get_device_capability(d) if d.type == "cuda" else None
-        dit = files["dit"]
-        compute = {"fp8_scaled": "fp8 GEMMs" if fp8_compute(d.type, capability) else "fp8 weights dequantized per layer",
-                   "int8_convrot": "int8 W8A8" if int8_compute(d.type, capability) else
-                   "int8 weights dequantized per layer"}.get(dit["format"], str(self.dit.dtype).removeprefix("torch."))
-        return (f"DiT {dit['name']} ({dit['format']}{', pruned' if dit['pruned'] else ''}; {compute}) · text encoder "
-                f"{files['text_encoder']['format']} · VAEs {files['video_vae']['format']}/"
-                f"{files['audio_vae']['format']}")
+        if isinstance(layer, Fp8Linear):
+            return "fp8 GEMMs" if fp8_compute(d.type, capability) else "fp8 weights dequantized per layer"
+        if isinstance(layer, Int8ConvRotLinear):
+            return "int8 W8A8" if int8_compute(d.type, capability) else "int8 weights dequantized per layer"
+        return str(layer.weight.dtype).removeprefix("torch.")
 
     # ---- request rules -------------------------------------------------------------------------------------
     def plan(self, req: GenerateRequest) -> tuple[int, int, int, int, list[str]]:

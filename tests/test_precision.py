@@ -1,0 +1,55 @@
+"""Online quantization at load (`serve --dit-precision fp8|int8`): the block GEMMs of a bf16 DiT become fp8 or int8
+ConvRot layers, the rest keeps its dtype, the output stays near the float model's, and a real engine started with
+the flag says so in /v1/status and runs a job; int8 on a model too narrow for ConvRot is refused by name."""
+
+import asyncio
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from engine.models.h3.config import TINY
+from engine.models.h3.dit import build_dit
+from engine.models.h3.precision import block_gemms, set_precision
+from engine.quant.fp8 import Fp8Linear
+from engine.quant.int8_convrot import Int8ConvRotLinear
+from engine_fixture import REPO, free_port, start_engine
+from test_comfy_files import CONFIG, forward, rel
+
+
+@pytest.fixture(scope="module")
+def full():
+    return build_dit(CONFIG, seed=0)
+
+
+@pytest.mark.parametrize("precision, layer, tolerance", [("fp8", Fp8Linear, 0.05), ("int8", Int8ConvRotLinear, 0.03)])
+def test_block_gemms_are_quantized_and_the_output_stays_close(full, precision, layer, tolerance):
+    model = set_precision(copy.deepcopy(full), precision)
+    assert all(isinstance(model.get_submodule(n), layer) for n in block_gemms(model))
+    assert isinstance(model.time_embedder.proj_in, nn.Linear)  # outside the blocks' GEMMs: as it was
+    assert model.time_embedder.proj_in.weight.dtype == torch.float32
+    err = rel(forward(model), forward(full))
+    print(f"{precision}: relative error of the tiny DiT's output vs float32: {err:.4f}")
+    assert 0 < err < tolerance
+    assert rel(forward(set_precision(model, precision)), forward(model)) == 0  # quantized layers are left alone
+
+
+def test_int8_on_a_model_too_narrow_for_convrot_is_refused():
+    with pytest.raises(ValueError, match="int8 ConvRot needs layer inputs in multiples of 256; 'blocks.0.attn.qkv_proj' "
+                                         "takes 48. Use fp8 for this model."):
+        set_precision(build_dit(TINY), "int8")
+
+
+def test_engine_with_dit_precision_fp8_reports_it_and_runs_a_job(tmp_path):
+    with start_engine(tmp_path, "--dit-precision", "fp8") as engine:
+        status = asyncio.run(engine.client().status())
+        assert status["models"]["summary"] == "H3 tiny (float32; fp8 weights dequantized per layer)"
+        result = asyncio.run(engine.client().run("t2va", {"prompt": "rain", "steps": 2, "width": 64, "height": 64}))
+        assert result.frames.shape == (124, 64, 64, 3)
+    proc = subprocess.run([sys.executable, "-m", "engine", "serve", "--preset", "tiny", "--device", "cpu", "--port",
+                           str(free_port()), "--token-file", str(tmp_path / "t2"), "--dit-precision", "int8"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "int8 ConvRot needs layer inputs in multiples of 256" in proc.stderr
