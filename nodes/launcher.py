@@ -170,7 +170,9 @@ def serve_command(settings: dict, port: int, token_file: Path) -> list[str]:
     cmd += [arg for role, flag in FILE_FLAGS if files.get(role) for arg in (flag, files[role])]
     # ComfyUI's model folders (extra_model_paths.yaml included): the engine reads the chosen files and the LoRA
     # node's names there.
-    cmd += [arg for folder, root in model_files.roots() if root.is_dir() for arg in ("--model-path", f"{folder}={root}")]
+    for folder, root in model_files.roots():
+        if root.is_dir():
+            cmd += ["--model-path", f"{folder}={root}"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--token-file", str(token_file),
             "--log-file", str(log_file(port))]
     if settings.get("device", "auto") != "auto":

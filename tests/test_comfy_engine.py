@@ -56,7 +56,7 @@ def trees(tmp_path_factory):
     comfy_video_vae_file(build_tiny_video_vae(0), root / "vae" / VIDEO_VAE)
     comfy_audio_vae_file(build_tiny_audio_vae(0), root / "vae" / AUDIO_VAE)
     torch.manual_seed(0)
-    save_file({"blocks.0.attn.out_proj.lora_A.weight": torch.randn(2, TINY.num_attention_heads * TINY.attention_head_dim),
+    save_file({"blocks.0.attn.out_proj.lora_A.weight": torch.randn(2, TINY.inner_dim),
                "blocks.0.attn.out_proj.lora_B.weight": torch.randn(TINY.hidden_size, 2)},
               extra / "loras" / "style.safetensors")
     (base / "secret.safetensors").write_bytes(b"not for jobs")

@@ -38,8 +38,8 @@ def test_block_gemms_are_quantized_and_the_output_stays_close(full, precision, l
 
 
 def test_int8_on_a_model_too_narrow_for_convrot_is_refused():
-    with pytest.raises(ValueError, match="int8 ConvRot needs layer inputs in multiples of 256; 'blocks.0.attn.qkv_proj' "
-                                         "takes 48. Use fp8 for this model."):
+    with pytest.raises(ValueError, match="int8 ConvRot needs layer inputs in multiples of 256; "
+                                         "'blocks.0.attn.qkv_proj' takes 48. Use fp8 for this model."):
         set_precision(build_dit(TINY), "int8")
 
 

@@ -106,7 +106,7 @@ def pixels(frames: np.ndarray, device) -> torch.Tensor:
 def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log, rng, max_steps=None) -> None:
     model, device = vae.model.train(), vae.device
     model.disable_tiling()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=device.type == "cuda")
     num_frames = clips[0][0].shape[0]
     for step in timed_steps(budget_s, max_steps):
         # A smoke run (max_steps) fits one batch, so its loss must fall; a real run draws clips and windows.
@@ -144,7 +144,7 @@ def stft_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def train_audio_vae(vae: AudioVAE, clips, budget_s: float, batch: int, seconds: float, log: Log, rng,
                     max_steps=None) -> None:
     model, device = vae.model.train(), vae.device
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, fused=device.type == "cuda")
     length = int(seconds * vae.sample_rate) // vae.hop * vae.hop
     for step in timed_steps(budget_s, max_steps):
         segments = []
@@ -312,8 +312,9 @@ def main(argv=None) -> int:
         pipe = H3Pipeline.from_files(*(args.out / FILES[k] for k in ("dit", "text_encoder", "video_vae", "audio_vae")),
                                      device=device, dtype=torch.float32)
     else:
+        conditioner = build_tiny_conditioner(0, TOY.text_dim).to(device)  # frozen: the file keeps this one
         pipe = H3Pipeline(build_dit(TOY, seed=args.seed, device=device), build_tiny_video_vae(args.seed).to(device),
-                          build_tiny_audio_vae(args.seed).to(device), build_tiny_conditioner(0, TOY.text_dim).to(device),
+                          build_tiny_audio_vae(args.seed).to(device), conditioner,
                           Canvas(short_edge=height, max_pixels=height * width, default_steps=8), device, "toy")
     pipe.canvas = Canvas(short_edge=height, max_pixels=height * width, default_steps=8)
     pipe.encode_mp4, pipe.adaln_cache = False, None
@@ -332,7 +333,7 @@ def main(argv=None) -> int:
         data = prepare(pipe, clips)
         log("encoded", len(data))
         dit = pipe.dit.float().train().requires_grad_(True)
-        opt = torch.optim.AdamW(dit.parameters(), lr=3e-4, weight_decay=0.01)
+        opt = torch.optim.AdamW(dit.parameters(), lr=3e-4, weight_decay=0.01, fused=device.type == "cuda")
         names, shares = list(TASKS), np.array(list(TASKS.values()))
         eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(4)]
         total = 0.0

@@ -3,8 +3,9 @@
     python -m engine serve [--preset tiny | --models DIR] [--host 127.0.0.1] [--port 8190] [--gpus N]
                            [--device auto|cuda|cpu] [--token-file F] ...
     python -m engine serve --models ComfyUI/models --dit minimax_h3_fl2va_pruned_int8_convrot.safetensors \
-        --text-encoder qwen3vl_32b_minimax_h3_int8_convrot.safetensors --video-vae minimax_h3_video_vae_fp16.safetensors \
-        --audio-vae minimax_h3_audio_vae_fp32.safetensors --tokenizer-dir ComfyUI/comfy/text_encoders/qwen25_tokenizer
+        --text-encoder qwen3vl_32b_minimax_h3_int8_convrot.safetensors \
+        --video-vae minimax_h3_video_vae_fp16.safetensors --audio-vae minimax_h3_audio_vae_fp32.safetensors \
+        --tokenizer-dir ComfyUI/comfy/text_encoders/qwen25_tokenizer
 
 With --gpus N (> 1) this process becomes torchrun's agent and starts N ranks running this same command line;
 rank 0 serves, the others follow (engine.runtime). The token file (default $H3FORGE_TOKEN_FILE or
