@@ -355,6 +355,7 @@ def test_dashboard_in_a_browser_shows_the_running_job_and_finished_videos(engine
     dom = run(scenario())
     assert 'id="running-job"' in dom and "shown while running" in dom and "denoising · step" in dom
     assert "<video" in dom and ".mp4?token=" in dom
+    assert 'id="weights">weights: H3 tiny (float32)</div>' in dom  # which weights, formats and precisions
 
 
 @pytest.mark.parametrize("exc, code, words", [

@@ -173,8 +173,9 @@ class H3Pipeline:
         files = getattr(self, "files", None)
         stored = files["dit"]["format"] if files else str(self.dit.dtype).removeprefix("torch.")
         compute = self.gemm_compute()
-        dit = (f"DiT {files['dit']['name']} ({stored}{', pruned' if files['dit']['pruned'] else ''}; {compute})"
-               if files else f"H3 {self.name} ({stored}; {compute})")
+        how = stored + (", pruned" if files and files["dit"]["pruned"] else "")
+        how += "" if compute == stored else f"; {compute}"
+        dit = f"DiT {files['dit']['name']} ({how})" if files else f"H3 {self.name} ({how})"
         if not files:
             return dit
         return (f"{dit} · text encoder {files['text_encoder']['format']} · VAEs {files['video_vae']['format']}/"
