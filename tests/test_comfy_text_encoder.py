@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from engine.models.h3.checkpoint import CheckpointError
 from engine.models.h3.conditioner import (IMAGE_PAD, TINY_SPECIALS, VIDEO_PAD, VISION_END, VISION_START,

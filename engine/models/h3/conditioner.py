@@ -31,7 +31,7 @@ from transformers.utils import logging
 from engine.models.h3.checkpoint import CheckpointError
 from engine.models.h3.model_files import read_header
 from engine.models.h3.config import TEXT_TAG, VIDEO_TAG
-from engine.quant import int8_convrot, nvfp4
+from engine.quant import nvfp4
 from engine.quant.transform import QuantSpec, replace_linears
 
 REAL_LAYER = 50
