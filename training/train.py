@@ -27,8 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from safetensors.torch import save_file
 
+from engine.cache.prompt import PromptCache
 from engine.kernels import attention
 from engine.models.h3 import layout as L
 from engine.models.h3.checkpoint import save_dit
@@ -36,7 +38,7 @@ from engine.models.h3.conditioner import build_tiny_conditioner, text_encoder_fi
 from engine.models.h3.config import TINY
 from engine.models.h3.denoise import Target
 from engine.models.h3.dit import build_dit
-from engine.models.h3.pipeline import KEYFRAME_NOISE_AUG, Canvas, GenerateRequest, H3Pipeline
+from engine.models.h3.pipeline import KEYFRAME_NOISE_AUG, TOY_FILES, Canvas, GenerateRequest, H3Pipeline
 from engine.models.h3.schedule import AUDIO_SHIFT, VIDEO_SHIFT
 from engine.models.h3.vae import (IMAGENET_MEAN, IMAGENET_STD, TINY_TILE_OVERLAP, TINY_TILE_SIZE, AudioVAE, VideoVAE,
                                   build_tiny_audio_vae, build_tiny_video_vae, save_audio_vae_file,
@@ -49,13 +51,14 @@ from training.toy_world import render
 # The embedded default's DiT: the tiny preset's architecture (text width 32, partial RoPE) at 256 wide, 6 blocks.
 TOY = replace(TINY, num_attention_heads=4, attention_head_dim=64, hidden_size=256, num_layers=6, num_refiner_layers=1,
               ffn_dim=768, time_embed_hidden_dim=256, time_embed_dim=64, rope_freq_dim=8)
-FILES = {"dit": "minimax_h3_fl2va_toy_bf16.safetensors", "text_encoder": "qwen3vl_toy_bf16.safetensors",
-         "video_vae": "minimax_h3_toy_video_vae_fp16.safetensors",
-         "audio_vae": "minimax_h3_toy_audio_vae_fp32.safetensors"}
+FILES = TOY_FILES
 EVAL_SEED = 10_000_000  # scenes from here on are never trained on
-TASKS = {"t2va": 0.5, "first": 0.15, "first_last": 0.1, "edit": 0.25}  # share of DiT steps per layout
+TASKS = {"t2va": 0.4, "first": 0.15, "first_last": 0.1, "edit": 0.2, "extend": 0.15}  # share of DiT steps per layout
+EMA = 0.999
 VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of the temporal chunking
 STAGES = {"video_vae": 0.3, "audio_vae": 0.15, "dit": 0.55}  # share of the time budget
+# `--stages video_decoder` alone: the video VAE's decoder trained further on its own budget (the encoder and so the
+# DiT's latents unchanged); it runs beside a DiT run on the same GPU (each is launch-bound).
 
 
 def render_clip(args: tuple[int, int, int, float]) -> tuple[np.ndarray, np.ndarray, str]:
@@ -103,10 +106,17 @@ def pixels(frames: np.ndarray, device) -> torch.Tensor:
     return (x - mean) / std
 
 
-def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log, rng, max_steps=None) -> None:
+def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log, rng, max_steps=None,
+                    decoder_only: bool = False) -> None:
+    """Reconstruction (+ a faint KL); `decoder_only` keeps the encoder, so the latents a DiT learned stay valid."""
     model, device = vae.model.train(), vae.device
     model.disable_tiling()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=device.type == "cuda")
+    params = list((model.decoder if decoder_only else model).parameters())
+    if decoder_only:
+        params += list(model.post_quant_conv.parameters())
+        model.encoder.requires_grad_(False)
+        model.quant_conv.requires_grad_(False)
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, fused=device.type == "cuda")
     num_frames = clips[0][0].shape[0]
     for step in timed_steps(budget_s, max_steps):
         # A smoke run (max_steps) fits one batch, so its loss must fall; a real run draws clips and windows.
@@ -114,13 +124,14 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
         start = 0 if max_steps else int(rng.integers(0, num_frames - VAE_FRAMES + 1))
         x = pixels(np.stack([clips[i][0][start:start + VAE_FRAMES] for i in picks]), device)
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            posterior = model.encode(x).latent_dist
+            with torch.set_grad_enabled(not decoder_only):
+                posterior = model.encode(x).latent_dist
             y = model.decode(posterior.sample()).sample
         recon = F.mse_loss(y.float(), x)
         loss = recon + 1e-6 * posterior.kl().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 50 == 0 or max_steps:
             log("video_vae", step, max_steps, recon=recon.item())
@@ -205,16 +216,29 @@ def box_rows(T: int, h: int, w: int, patch, rng) -> torch.Tensor:
     return cells.flatten().repeat(T)
 
 
-def dit_step(pipe: H3Pipeline, sample: dict, task: str, rng, gen: torch.Generator) -> torch.Tensor:
-    """The flow-matching loss of one clip under one task's layout: x_t = (1 - s) x0 + s e, the DiT predicts
-    x0 - e (the engine's data-ward velocity) at timestep 1 - s."""
+def extension_rows(T: int, rng) -> tuple[int, int, float]:
+    """An extension window's guide: (overlap latents 5k + 2, its audio latents, the window's start frame)."""
+    overlap = int(rng.choice([2, 7]))
+    frames = (overlap - 2) // 5 * 17 + 5
+    return overlap, round(frames * L.AUDIO_LATENTS_PER_SECOND / L.FPS), float(rng.integers(0, 15 * L.FPS))
+
+
+def dit_loss(pipe: H3Pipeline, batch: list[dict], task: str, rng, gen: torch.Generator) -> torch.Tensor:
+    """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
+    x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
+    condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
+    the source outside a box at the condition level (edit), the window's first latents noised to the condition
+    level with its clean audio, on a shifted clock (extension)."""
     dit, device = pipe.dit, pipe.device
-    latents, audio, (text, tags) = sample["video"], sample["audio"], sample["text"]
-    _, T, h, w = latents.shape
-    Ta = audio.shape[-1]
+    x0v = L.patchify(torch.stack([b["video"] for b in batch]))
+    x0a = L.pack_audio(torch.stack([b["audio"] for b in batch]))
     keyframes = {"first": ("first",), "first_last": ("first", "last")}.get(task, ())
-    layout = L.build_layout(tags, T, h, w, Ta, dit.config.patch_size[1:], keyframes).to(device)
-    x0v, x0a = L.patchify(latents[None]), L.pack_audio(audio[None])
+    # The conditioner learns with the DiT; fl2va prompts carry their keyframes' picture blocks, as in the engine.
+    text, tags = pipe.conditioner.encode_batch([b["prompt"] for b in batch],
+                                               [[b[f"{k}_image"] for k in keyframes] for b in batch])
+    _, _, T, h, w = batch[0]["video"][None].shape
+    Ta = batch[0]["audio"].shape[-1]
+    patch = dit.config.patch_size[1:]
 
     def noise(like):
         return torch.randn(like.shape, generator=gen, device="cpu").to(device)
@@ -223,45 +247,90 @@ def dit_step(pipe: H3Pipeline, sample: dict, task: str, rng, gen: torch.Generato
     s_v, s_a = float(sigma(u, VIDEO_SHIFT)), float(sigma(u, AUDIO_SHIFT))
     ev, ea = noise(x0v), noise(x0a)
     xv, xa = (1 - s_v) * x0v + s_v * ev, (1 - s_a) * x0a + s_a * ea
-    cond = [L.patchify(KEYFRAME_NOISE_AUG * sample[k][None] + (1 - KEYFRAME_NOISE_AUG) * noise(sample[k][None]))
-            for k in keyframes]
-    t_video = 1 - s_v
-    weight = torch.ones(x0v.shape[1], device=device)
-    if task == "edit":  # regenerated cells at 1 - s, the rest of the source at the condition level (denoise.Target)
-        q = box_rows(T, h, w, dit.config.patch_size[1:], rng).to(device)
-        anchor = L.CONDITION_TIMESTEP * x0v + (1 - L.CONDITION_TIMESTEP) * noise(x0v)
-        xv = torch.lerp(anchor, xv, q[None, :, None])
-        t_video = Target(xv, cap=L.CONDITION_TIMESTEP, model_mask=q.cpu()).timesteps(s_v)
-        weight = q
+    t_video, weight = 1 - s_v, torch.ones(x0v.shape[1], device=device)
+    cond_v, cond_a = xv[:, :0], xa[:, :0]
+    if keyframes:
+        layout = L.build_layout(tags, T, h, w, Ta, patch, keyframes)
+        cond_v = torch.cat([L.patchify(torch.stack([b[k] for b in batch])) for k in keyframes], dim=1)
+        cond_v = KEYFRAME_NOISE_AUG * cond_v + (1 - KEYFRAME_NOISE_AUG) * noise(cond_v)
+    elif task == "extend":
+        overlap, guide_audio, start = extension_rows(T, rng)
+        layout = L.build_layout(tags, T, h, w, Ta, patch, media_origin=float(tags.numel() + rng.integers(0, 8)),
+                                time_shift=start * L.AUDIO_LATENTS_PER_SECOND / L.FPS, guide_frames=overlap,
+                                guide_audio=guide_audio)
+        tail = x0v[:, :overlap * (h // patch[0]) * (w // patch[1])]
+        cond_v = L.CONDITION_TIMESTEP * tail + (1 - L.CONDITION_TIMESTEP) * noise(tail)
+        cond_a = L.pack_audio(torch.stack([b["audio"][..., :guide_audio] for b in batch]))
+    else:
+        layout = L.build_layout(tags, T, h, w, Ta, patch)
+        if task == "edit":  # regenerated cells at 1 - s, the rest of the source at the condition level
+            q = box_rows(T, h, w, patch, rng).to(device)
+            anchor = L.CONDITION_TIMESTEP * x0v + (1 - L.CONDITION_TIMESTEP) * noise(x0v)
+            xv = torch.lerp(anchor, xv, q[None, :, None])
+            t_video = Target(xv, cap=L.CONDITION_TIMESTEP, model_mask=q.cpu()).timesteps(s_v)
+            weight = q
+    layout = layout.to(device)
     timestep, idx = L.row_timesteps(layout, t_video, 1 - s_a, t_text=1 - s_v)
-    cond_v = torch.cat(cond, dim=1) if cond else xv[:, :0]
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-        v_out, a_out = dit(torch.cat([cond_v, xv], dim=1), xa, text, timestep.to(device), idx.to(device),
-                           layout.token_tags, layout.position_ids, layout.video_indices, layout.audio_indices,
-                           layout.text_indices)
-    v_err = (v_out[:, cond_v.shape[1]:].float() - (x0v - ev)).pow(2).mean(-1)[0]
-    video_loss = (v_err * weight).sum() / weight.sum().clamp(min=1)
-    return video_loss + F.mse_loss(a_out.float(), x0a - ea)
+        v_out, a_out = dit(torch.cat([cond_v, xv], dim=1), torch.cat([cond_a, xa], dim=1), text, timestep.to(device),
+                           idx.to(device), layout.token_tags, layout.position_ids, layout.video_indices,
+                           layout.audio_indices, layout.text_indices)
+    v_err = (v_out[:, cond_v.shape[1]:].float() - (x0v - ev)).pow(2).mean(-1)
+    video_loss = (v_err * weight).sum() / (weight.sum() * len(batch)).clamp(min=1)
+    return video_loss + F.mse_loss(a_out[:, cond_a.shape[1]:].float(), x0a - ea)
 
 
-def prepare(pipe: H3Pipeline, clips) -> list[dict]:
-    """Each clip's latents, keyframe latents and prompt embedding, on the device (frozen parts run once)."""
+@torch.no_grad()
+def encode_clips(vae: VideoVAE, frames: np.ndarray) -> torch.Tensor:
+    """uint8 [B, F, H, W, 3] -> normalised latents [B, 24, T, h, w]: `VideoVAE.encode_frames` for a batch."""
+    x = pixels(frames, vae.device)
+    z = DiagonalGaussianDistribution(vae._encoded_clips(x, lambda: None)).sample().half().float()
+    return (z - vae.latents_mean) / vae.latents_std
+
+
+def prepare(pipe: H3Pipeline, clips, batch: int = 16) -> list[dict]:
+    """Each clip's latents, keyframe latents and prompt embedding, on the device (frozen parts run once, batched)."""
     out = []
     with torch.no_grad():
-        for clip in clips:
-            frames = torch.from_numpy(clip[0])
-            out.append({"video": encode_video(pipe.video_vae, clip).float(),
-                        "audio": encode_audio(pipe.audio_vae, clip).float(),
-                        "first": pipe.video_vae.encode_image(frames[0])[0].float(),
-                        "last": pipe.video_vae.encode_image(frames[-1])[0].float(),
-                        "text": pipe.encode_prompt(clip[2])})
+        for i in range(0, len(clips), batch):
+            group = clips[i:i + batch]
+            frames = np.stack([c[0] for c in group])
+            video = encode_clips(pipe.video_vae, frames)
+            first, last = encode_clips(pipe.video_vae, frames[:, :1]), encode_clips(pipe.video_vae, frames[:, -1:])
+            audio = pipe.audio_vae.model.encode(torch.from_numpy(np.stack([c[1] for c in group])).to(pipe.device)
+                                                .flatten(0, 1)[:, None], return_dict=False)[0].mode()
+            audio = ((audio - pipe.audio_vae.latents_mean) / pipe.audio_vae.latents_std).unflatten(0, (-1, 2))
+            for j, clip in enumerate(group):
+                out.append({"video": video[j], "audio": audio[j], "first": first[j], "last": last[j],
+                            "prompt": clip[2], "first_image": clip[0][0], "last_image": clip[0][-1]})
     return out
+
+
+def encoded(pipe: H3Pipeline, clips, cache: Path | None) -> list[dict]:
+    """`prepare`d clips, through a cache file when given (a second run on a warm machine skips the encoding)."""
+    if cache is not None and cache.is_file():
+        data = torch.load(cache, map_location=pipe.device)
+        if clips is None or len(data) == len(clips):
+            return data
+    data = prepare(pipe, clips)
+    if cache is not None:
+        torch.save(data, cache)
+    return data
+
+
+def by_caption_length(pipe: H3Pipeline, data: list[dict]) -> list[list[int]]:
+    """Clip indices grouped by their prompt's token count (one layout per group)."""
+    groups: dict[int, list[int]] = {}
+    for i, sample in enumerate(data):
+        groups.setdefault(len(pipe.conditioner._text(sample["prompt"])), []).append(i)
+    return list(groups.values())
 
 
 def evaluate(pipe: H3Pipeline, scenes, steps: int) -> dict:
     """t2va on held-out captions, scored from the decoded frames and sound alone: the share of clips passing
     each check, and all of them."""
     pipe.dit.eval()
+    pipe.prompt_cache = PromptCache()  # the conditioner is learning: no stale embeddings
     width, height = pipe.canvas.max_pixels // pipe.canvas.short_edge, pipe.canvas.short_edge
     passed, checks = 0, {}
     for scene in scenes:
@@ -273,6 +342,53 @@ def evaluate(pipe: H3Pipeline, scenes, steps: int) -> dict:
             checks[name] = checks.get(name, 0) + bool(ok)
     pipe.dit.train()
     return {"t2va_pass": passed / len(scenes), **{f"{k}_rate": v / len(scenes) for k, v in checks.items()}}
+
+
+def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, log: Log, rng, gen, eval_scenes,
+              eval_every: int, lr: float, max_steps=None) -> None:
+    """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
+    exponential moving average."""
+    log("encoded", len(data))
+    dit = pipe.dit.float().train().requires_grad_(True)
+    encoder = pipe.conditioner.model.float().train().requires_grad_(True)
+    params = [*dit.parameters(), *encoder.parameters()]
+    ema = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW([{"params": list(dit.parameters()), "lr": lr, "base": lr},
+                             {"params": list(encoder.parameters()), "lr": 3 * lr, "base": 3 * lr, "weight_decay": 0}],
+                            weight_decay=0.01, fused=pipe.device.type == "cuda")
+    names, shares = list(TASKS), np.array(list(TASKS.values()))
+    groups = by_caption_length(pipe, data)
+    sizes = np.array([len(g) for g in groups], dtype=float)
+    total, t0, every = 0.0, time.monotonic(), 1 if max_steps else 100
+    for step in timed_steps(budget_s, max_steps):
+        for group in opt.param_groups:  # cosine over the time budget, down to a tenth
+            done = min(1.0, (time.monotonic() - t0) / budget_s)
+            group["lr"] = group["base"] * (0.55 + 0.45 * np.cos(np.pi * done))
+        if max_steps:  # one batch, one layout, one noise draw: the loss must fall
+            task, picks, gen = "t2va", groups[0][:batch], torch.Generator().manual_seed(0)
+        else:
+            task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
+            group = groups[int(rng.choice(len(groups), p=sizes / sizes.sum()))]
+            picks = [group[int(i)] for i in rng.integers(len(group), size=batch)]
+        loss = dit_loss(pipe, [data[i] for i in picks], task, rng, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - (0 if max_steps else EMA))
+        total += loss.item()
+        if (step + 1) % every == 0:
+            log("dit", step + 1, max_steps, loss=total / every, lr=opt.param_groups[0]["lr"])
+            total = 0.0
+        if not max_steps and step and step % eval_every == 0:
+            log("eval", step, None, **evaluate(pipe, eval_scenes, 9))
+    with torch.no_grad():
+        for p, e in zip(params, ema):
+            p.copy_(e)
+    log("eval", step + 1, None, **evaluate(pipe, eval_scenes[:1] if max_steps else eval_scenes, 3 if max_steps else 9))
+    dit.eval().requires_grad_(False)
+    encoder.eval().requires_grad_(False)
 
 
 def save(pipe: H3Pipeline, out: Path) -> None:
@@ -290,9 +406,14 @@ def main(argv=None) -> int:
     p.add_argument("--clips", type=int, default=768, help="toy clips rendered for training")
     p.add_argument("--out", type=Path, default=Path("engine/weights/toy"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--resume", action="store_true", help="start from the weight files in --out")
-    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
-    p.add_argument("--eval-every", type=int, default=4000, help="DiT steps between held-out evaluations")
+    p.add_argument("--resume", nargs="?", type=Path, const=True, default=None, metavar="DIR",
+                   help="start from the weight files in DIR (default: --out)")
+    p.add_argument("--cache", type=Path, default=None,
+                   help="the DiT stage's encoded clips: read from this file when it holds --clips of them, else written")
+    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=[*STAGES, "video_decoder"])
+    p.add_argument("--eval-every", type=int, default=2000, help="DiT steps between held-out evaluations")
+    p.add_argument("--batch", type=int, default=32, help="DiT clips per step (of one caption length)")
+    p.add_argument("--lr", type=float, default=3e-4, help="DiT learning rate (cosine to a tenth over the budget)")
     p.add_argument("--smoke", action="store_true", help="CPU check: tiny canvas, a few steps of each stage")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -304,12 +425,16 @@ def main(argv=None) -> int:
     log = Log(args.out / ("smoke_log.jsonl" if args.smoke else "train_log.jsonl"))
     attention.set_backend("sdpa")  # differentiable everywhere; FA3 here has no backward
 
-    # A smoke run's clips are one VAE window long (22 frames): every stage runs, in seconds on a CPU.
-    clips = toy_clips(range(args.seed * 1_000_000, args.seed * 1_000_000 + (2 if args.smoke else args.clips)),
-                      width, height, 0.9 if args.smoke else 5.0, 1 if args.smoke else 16)
-    log("data", len(clips), frames=int(clips[0][0].shape[0]), canvas=f"{width}x{height}")
+    # A smoke run's clips are one VAE window long (22 frames): every stage runs, in seconds on a CPU. A DiT run
+    # with its cache needs none.
+    clips = None
+    if args.stages != ["dit"] or args.cache is None or not args.cache.is_file():
+        clips = toy_clips(range(args.seed * 1_000_000, args.seed * 1_000_000 + (2 if args.smoke else args.clips)),
+                          width, height, 0.9 if args.smoke else 5.0, 1 if args.smoke else 16)
+        log("data", len(clips), frames=int(clips[0][0].shape[0]), canvas=f"{width}x{height}")
     if args.resume:
-        pipe = H3Pipeline.from_files(*(args.out / FILES[k] for k in ("dit", "text_encoder", "video_vae", "audio_vae")),
+        start = args.out if args.resume is True else args.resume
+        pipe = H3Pipeline.from_files(*(start / FILES[k] for k in ("dit", "text_encoder", "video_vae", "audio_vae")),
                                      device=device, dtype=torch.float32)
     else:
         conditioner = build_tiny_conditioner(0, TOY.text_dim).to(device)  # frozen: the file keeps this one
@@ -318,43 +443,26 @@ def main(argv=None) -> int:
                           Canvas(short_edge=height, max_pixels=height * width, default_steps=8), device, "toy")
     pipe.canvas = Canvas(short_edge=height, max_pixels=height * width, default_steps=8)
     pipe.encode_mp4, pipe.adaln_cache = False, None
+    shares = {**STAGES, "video_decoder": 1.0}
+    stage_share = {k: v / sum(shares[s] for s in args.stages) for k, v in shares.items()}
     budget = args.minutes * 60
     if "video_vae" in args.stages:
-        train_video_vae(pipe.video_vae, clips, budget * STAGES["video_vae"], 1 if args.smoke else 8, log, rng,
+        train_video_vae(pipe.video_vae, clips, budget * stage_share["video_vae"], 1 if args.smoke else 8, log, rng,
                         steps_cap)
         raw = video_vae(pipe.video_vae.model).to(device)
         pipe.video_vae = video_vae(pipe.video_vae.model, *latent_stats(raw, clips, encode_video, 0, 32)).to(device)
+    if "video_decoder" in args.stages:
+        train_video_vae(pipe.video_vae, clips, budget * stage_share["video_decoder"], 1 if args.smoke else 8, log, rng,
+                        steps_cap, decoder_only=True)
     if "audio_vae" in args.stages:
-        train_audio_vae(pipe.audio_vae, clips, budget * STAGES["audio_vae"], 1 if args.smoke else 16,
+        train_audio_vae(pipe.audio_vae, clips, budget * stage_share["audio_vae"], 1 if args.smoke else 16,
                         0.1 if args.smoke else 1.0, log, rng, steps_cap)
         raw = audio_vae(pipe.audio_vae.model).to(device)
         pipe.audio_vae = audio_vae(pipe.audio_vae.model, *latent_stats(raw, clips, encode_audio, 1, 32)).to(device)
     if "dit" in args.stages:
-        data = prepare(pipe, clips)
-        log("encoded", len(data))
-        dit = pipe.dit.float().train().requires_grad_(True)
-        opt = torch.optim.AdamW(dit.parameters(), lr=3e-4, weight_decay=0.01, fused=device.type == "cuda")
-        names, shares = list(TASKS), np.array(list(TASKS.values()))
-        eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(4)]
-        total = 0.0
-        for step in timed_steps(budget * STAGES["dit"], steps_cap):
-            task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
-            if args.smoke:  # one clip, one layout, one noise draw: the loss must fall
-                task, gen = "t2va", torch.Generator().manual_seed(args.seed)
-            loss = dit_step(pipe, data[0 if args.smoke else int(rng.integers(len(data)))], task, rng, gen)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
-            opt.step()
-            total += loss.item()
-            if step % 200 == 199 or args.smoke:
-                log("dit", step + 1, steps_cap, loss=total / (1 if args.smoke else 200))
-                total = 0.0
-            if not args.smoke and step and step % args.eval_every == 0:
-                log("eval", step, None, **evaluate(pipe, eval_scenes, 9))
-        if args.smoke:
-            log("eval", steps_cap, None, **evaluate(pipe, eval_scenes[:1], 3))
-        dit.eval()
+        train_dit(pipe, encoded(pipe, clips, args.cache), budget * stage_share["dit"], 2 if args.smoke else args.batch, log, rng,
+                  gen, [sample_scene(EVAL_SEED + i, width, height) for i in range(4)], args.eval_every, args.lr,
+                  steps_cap)
     save(pipe, args.out)
     log("saved", 0, out=str(args.out))
     return 0

@@ -135,41 +135,54 @@ class Conditioner:
 
         `images` are the fl2va keyframes (uint8 [H, W, 3]) in packed order; each gets a `"<Picture i>: "` block.
         """
-        images = list(images)
+        return self.encode_batch([prompt], [images])
+
+    def encode_batch(self, prompts: Sequence[str], images: Sequence[Sequence[np.ndarray]]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`encode` of prompts whose token rows line up (same length and tags), in one pass: hidden [B, Nt,
+        hidden], tags [Nt]. Differentiable (the embedded default's training)."""
+        images = [list(group) for group in images]
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(images)} keyframe lists")
+        for i, image in enumerate((image for group in images for image in group), 1):
+            if not (isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3
+                    and image.shape[2] == 3):
+                got = f"{image.dtype} {image.shape}" if isinstance(image, np.ndarray) else type(image).__name__
+                raise ValueError(f"Keyframe {i} must be an RGB uint8 image [H, W, 3], got {got}.")
+        device = self.model.device
+        pictures = [image for group in images for image in group]
+        vision, grids = {}, iter(())
+        if pictures:
+            vision = self.image_processor(images=pictures, return_tensors="pt")
+            grids = iter(vision["image_grid_thw"])
+            vision = {"pixel_values": vision["pixel_values"].to(device, self.model.dtype),
+                      "image_grid_thw": vision["image_grid_thw"].to(device)}
+        rows = [self._rows(prompt, [next(grids) for _ in group]) for prompt, group in zip(prompts, images)]
+        if any(tags != rows[0][1] for _, tags in rows):
+            raise ValueError("encode_batch needs prompts of one token layout")
+        input_ids = torch.tensor([ids for ids, _ in rows], device=device)
+        # Qwen-internal token types (1 = image pad) drive its multimodal rotary layout.
+        mm_token_type_ids = (input_ids == self.image_pad).long()
+        out = self.model.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                               mm_token_type_ids=mm_token_type_ids, use_cache=False,
+                               output_hidden_states=self.layer, **vision)
+        return out.hidden_states[self.layer], torch.tensor(rows[0][1], dtype=torch.long)
+
+    def _rows(self, prompt: str, grids: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+        """Token ids and row tags of one prompt after its keyframes' blocks (`grids`: their image_grid_thw)."""
         if not prompt or not prompt.strip():
             raise ValueError("The prompt is empty: describe the video and its sound.")
         prompt_ids = self._text(prompt)
         if len(prompt_ids) > self.max_prompt_tokens:
             raise ValueError(f"The prompt is {len(prompt_ids)} tokens long; the text conditioner takes at most "
                              f"{self.max_prompt_tokens}. Shorten the prompt.")
-        for i, image in enumerate(images, 1):
-            if not (isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3
-                    and image.shape[2] == 3):
-                got = f"{image.dtype} {image.shape}" if isinstance(image, np.ndarray) else type(image).__name__
-                raise ValueError(f"Keyframe {i} must be an RGB uint8 image [H, W, 3], got {got}.")
-
-        device = self.model.device
-        ids, tags, vision = [], [], {}
-        if images:
-            vision = self.image_processor(images=images, return_tensors="pt")
-            merge = self.image_processor.merge_size ** 2
-            for i, grid in enumerate(vision["image_grid_thw"], 1):
-                label = self._text(f"<Picture {i}>: ")
-                block = [self.vision_start] + [self.image_pad] * (int(grid.prod()) // merge) + [self.vision_end]
-                ids += label + block
-                tags += [TEXT_TAG] * len(label) + [VIDEO_TAG] * len(block)
-            vision = {"pixel_values": vision["pixel_values"].to(device, self.model.dtype),
-                      "image_grid_thw": vision["image_grid_thw"].to(device)}
-        ids += prompt_ids
-        tags += [TEXT_TAG] * len(prompt_ids)
-
-        input_ids = torch.tensor([ids], device=device)
-        # Qwen-internal token types (1 = image pad) drive its multimodal rotary layout.
-        mm_token_type_ids = (input_ids == self.image_pad).long()
-        out = self.model.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                               mm_token_type_ids=mm_token_type_ids, use_cache=False,
-                               output_hidden_states=self.layer, **vision)
-        return out.hidden_states[self.layer], torch.tensor(tags, dtype=torch.long)
+        ids, tags, merge = [], [], self.image_processor.merge_size ** 2
+        for i, grid in enumerate(grids, 1):
+            label = self._text(f"<Picture {i}>: ")
+            block = [self.vision_start] + [self.image_pad] * (int(grid.prod()) // merge) + [self.vision_end]
+            ids += label + block
+            tags += [TEXT_TAG] * len(label) + [VIDEO_TAG] * len(block)
+        return ids + prompt_ids, tags + [TEXT_TAG] * len(prompt_ids)
 
 
 # ---------------------------------------------------------------------------------------------- Comfy single files

@@ -53,6 +53,10 @@ class Canvas:
 
 FULL_CANVAS = Canvas()
 TINY_CANVAS = Canvas(short_edge=128, max_pixels=128 * 224, default_steps=8)
+# The trained embedded default ("toy" preset, training/train.py): Comfy-Org single files in engine/weights/toy.
+TOY_FILES = {"dit": "minimax_h3_fl2va_toy_bf16.safetensors", "text_encoder": "qwen3vl_toy_bf16.safetensors",
+             "video_vae": "minimax_h3_toy_video_vae_fp16.safetensors",
+             "audio_vae": "minimax_h3_toy_audio_vae_fp32.safetensors"}
 
 
 def parse_aspect(aspect: str) -> tuple[float, float]:
@@ -101,11 +105,22 @@ class H3Pipeline:
         self.encode_mp4 = True  # encode the result's MP4 while the VAE decodes (GenerateResult.mp4)
 
     @classmethod
-    def from_preset(cls, preset: str = "tiny", device: str | torch.device = "cpu", seed: int = 0,
+    def from_preset(cls, preset: str = "toy", device: str | torch.device = "cpu", seed: int = 0,
                     config: H3Config | None = None, lora_roots: Sequence[str | Path] = ()) -> "H3Pipeline":
-        """Every component at tiny width with weights drawn from `seed`; no files needed."""
+        """`toy`: the trained embedded default (its Comfy-Org single files under engine/weights/toy, fp32 on a
+        CPU); `tiny`: every component at tiny width with weights drawn from `seed` (tests), no files needed."""
+        if preset == "toy":
+            from engine.models import TOY_WEIGHTS
+
+            device = torch.device(device)
+            pipe = cls.from_files(*(TOY_WEIGHTS / name for name in TOY_FILES.values()), device=device,
+                                  dtype=torch.float32 if device.type == "cpu" else torch.bfloat16,
+                                  lora_roots=lora_roots)
+            pipe.name = "toy"
+            return pipe
         if preset != "tiny":
-            raise ValueError(f"unknown preset {preset!r}: only 'tiny' is embedded; real weights come from --models")
+            raise ValueError(f"unknown preset {preset!r}: 'toy' (trained) or 'tiny' (random) are embedded; real "
+                             "weights come from --models")
         device = torch.device(device)
         config = config or TINY
         dit = build_dit(config, seed=seed, device=device)

@@ -26,7 +26,7 @@ from engine.models.seedvr2.colorfix import MODES as COLOR_FIX_MODES
 from engine.models.seedvr2.colorfix import color_fix as apply_color_fix
 from engine.models.phases import Phase
 from engine.models.seedvr2.config import (
-    DIT_PRESETS, LATENT_SCALE, TIMESTEP, TINY_MAX_PIXELS, TINY_RESOLUTIONS, TINY_TEXT_LEN, TINY_VAE, VAE,
+    DIT_PRESETS, LATENT_SCALE, TIMESTEP, TINY_3B, TINY_MAX_PIXELS, TINY_RESOLUTIONS, TINY_TEXT_LEN, TINY_VAE, VAE,
     NaDiTConfig, VAEConfig,
 )
 from engine.models.seedvr2.nadit import NaDiT, build_nadit
@@ -115,16 +115,29 @@ class SeedVR2Pipeline:
         self.group = None
 
     @classmethod
-    def from_preset(cls, preset: str = "tiny", device: str | torch.device = "cpu", seed: int = 0,
-                    on_loaded: Callable[[], None] | None = None) -> "SeedVR2Pipeline":
-        """`tiny` (= `tiny-3b`) or `tiny-7b`: the real architectures at tiny width, weights drawn from `seed`.
-        `on_loaded()` after each of the DiT, the VAE and the text embedding."""
-        key = "tiny-3b" if preset == "tiny" else preset
-        if not key.startswith("tiny") or key not in DIT_PRESETS:
-            raise ValueError(f"unknown preset {preset!r}: 'tiny', 'tiny-3b' or 'tiny-7b'; real weights come "
-                             "from a models directory")
+    def from_preset(cls, preset: str = "toy", device: str | torch.device = "cpu", seed: int = 0,
+                    on_loaded: Callable[[], None] | None = None, root: str | Path | None = None,
+                    dtype: torch.dtype = torch.float32) -> "SeedVR2Pipeline":
+        """`toy`: the trained embedded default (tiny 3B architecture; official-layout files in `root`, default
+        engine/weights/toy/seedvr2); `tiny` (= `tiny-3b`) or `tiny-7b`: the real architectures at tiny width,
+        weights drawn from `seed`. `on_loaded()` after each of the DiT, the VAE and the text embedding."""
         loaded = on_loaded or (lambda: None)
         device = torch.device(device)
+        if preset == "toy":
+            from engine.models import TOY_WEIGHTS
+
+            dit_path, vae_path, text_path = find_models(root or TOY_WEIGHTS / "seedvr2", "3b")
+            dit = load_nadit(dit_path, TINY_3B, dtype=dtype, device=device)
+            loaded()
+            vae = load_vae(vae_path, TINY_VAE, dtype=dtype, device=device)
+            loaded()
+            text = load_text_embedding(text_path, TINY_3B.text_dim).float()
+            loaded()
+            return cls(dit, vae, text, device, "toy", TINY_RESOLUTIONS, TINY_MAX_PIXELS)
+        key = "tiny-3b" if preset == "tiny" else preset
+        if not key.startswith("tiny") or key not in DIT_PRESETS:
+            raise ValueError(f"unknown preset {preset!r}: 'toy' (trained), 'tiny', 'tiny-3b' or 'tiny-7b' "
+                             "(random); real weights come from a models directory")
         config = DIT_PRESETS[key]
         dit = build_nadit(config, seed=seed, device=device)
         loaded()
