@@ -1,4 +1,4 @@
-"""`python -m engine demo`: the quick-start job. Starts the bundled engine on the embedded `tiny` preset (as the
+"""`python -m engine demo`: the quick-start job. Starts the bundled engine on the embedded `toy` preset (trained on the toy world) (as the
 ComfyUI nodes do), runs one text-to-video+audio job through the real WebSocket client with live progress, and
 writes the MP4 the engine returns."""
 
@@ -13,8 +13,9 @@ from pathlib import Path
 
 
 def add_demo_args(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="start the engine on the tiny preset and generate one clip through the client")
-    p.add_argument("--prompt", default="A paper boat drifts down a rainy street; raindrops patter and a bell rings.")
+    p = sub.add_parser("demo", help="start the engine on the toy preset and generate one clip through the client")
+    p.add_argument("--prompt", default="a large red ball bounces on green grass under a blue sky, humming",
+                   help="a caption of the toy world (training/captions.py): shapes, colours, motions, backgrounds")
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -34,8 +35,8 @@ async def _demo(args: argparse.Namespace) -> int:
 
     url = f"ws://127.0.0.1:{free_port()}"
     t0 = time.perf_counter()
-    print(f"starting the bundled engine (tiny preset) at {url} ...", file=sys.stderr)
-    await launcher.ensure_engine({"url": url, "auto_launch": True, "preset": "tiny", "device": "cpu"}, timeout=300)
+    print(f"starting the bundled engine (toy preset) at {url} ...", file=sys.stderr)
+    await launcher.ensure_engine({"url": url, "auto_launch": True, "preset": "toy", "device": "cpu"}, timeout=300)
     print(f"engine ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     def progress(event):

@@ -11,7 +11,8 @@ from pathlib import Path
 def add_generate_args(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate one video with audio and write it to an MP4")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="tiny", help="embedded weights drawn from a seed (default: tiny)")
+    src.add_argument("--preset", default="toy", choices=("toy", "tiny"),
+                     help="embedded weights: toy (trained, the default) or tiny (random)")
     src.add_argument("--models", metavar="DIR", help="models directory with real MiniMax-H3 checkpoints")
     p.add_argument("--prompt", required=True)
     p.add_argument("--seconds", type=float, default=5.0, help="5 to 15; snapped up to 17n+5 frames at 24 fps")

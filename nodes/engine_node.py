@@ -9,7 +9,7 @@ from .client import EngineClient, EngineError, protocol
 
 ENGINE_TYPE = "H3FORGE_ENGINE"
 DEVICES = ["auto", "cpu", "cuda"]
-PRESETS = ["tiny"]
+PRESETS = ["toy", "tiny"]
 ATTENTION = list(protocol.ATTENTION_CHOICES)
 # Share of video blocks each video query block skips (VSA); None: what the engine was started with.
 SPARSE_ATTENTION = {"engine default": None, "off (dense)": 0.0, "75%": 0.75, "87.5%": 0.875, "90%": 0.9, "95%": 0.95}
@@ -40,7 +40,7 @@ def default_settings() -> dict:
         "url": os.environ.get("H3FORGE_URL") or protocol.DEFAULT_URL,
         "token": os.environ.get("H3FORGE_TOKEN", ""),
         "auto_launch": _env_flag("H3FORGE_AUTO_LAUNCH", True),
-        "preset": "tiny",
+        "preset": "toy",
         "models_dir": os.environ.get("H3FORGE_MODELS", ""),
         "device": "auto",
         "gpus": 1,
@@ -116,9 +116,11 @@ class H3ForgeEngine:
                 "auto_launch": ("BOOLEAN", {"default": True, "tooltip":
                                 "If no engine answers at a local URL, start the bundled engine and keep "
                                 "it running for later prompts."}),
-                "preset": (PRESETS, {"default": "tiny", "tooltip":
-                           "Weights for an auto-launched engine when models_dir is empty: tiny = a "
-                           "small built-in model for trying the pack out (no downloads, fast on CPU)."}),
+                "preset": (PRESETS, {"default": "toy", "tooltip":
+                           "Weights for an auto-launched engine when models_dir is empty: toy = the small "
+                           "built-in model trained on a toy world of shapes, backgrounds and hums (no downloads, "
+                           "runs on a CPU; prompts like 'a red ball bounces on green grass under a blue sky, "
+                           "humming'); tiny = the same architecture with random weights (tests)."}),
                 "models_dir": ("STRING", {"default": "", "tooltip":
                                "Folder with the real MiniMax-H3 checkpoints for an auto-launched engine "
                                "(overrides preset). LoRA paths are resolved inside it."}),

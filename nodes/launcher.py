@@ -166,7 +166,7 @@ def serve_command(settings: dict, port: int, token_file: Path) -> list[str]:
     if settings.get("models_dir"):
         cmd += ["--models", settings["models_dir"]]
     elif not files:
-        cmd += ["--preset", settings.get("preset") or "tiny"]
+        cmd += ["--preset", settings.get("preset") or "toy"]
     cmd += [arg for role, flag in FILE_FLAGS if files.get(role) for arg in (flag, files[role])]
     # ComfyUI's model folders (extra_model_paths.yaml included): the engine reads the chosen files and the LoRA
     # node's names there.

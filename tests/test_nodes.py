@@ -210,13 +210,14 @@ def test_auto_launch_only_starts_local_engines():
 def test_defaults_without_engine_node(monkeypatch):
     for name in ("H3FORGE_URL", "H3FORGE_TOKEN", "H3FORGE_AUTO_LAUNCH", "H3FORGE_MODELS"):
         monkeypatch.delenv(name, raising=False)
-    assert default_settings() == engine_settings("ws://127.0.0.1:8190", auto_launch=True) | {"device": "auto"}
+    assert default_settings() == engine_settings("ws://127.0.0.1:8190", auto_launch=True) | {"device": "auto",
+                                                                                              "preset": "toy"}
     monkeypatch.setenv("H3FORGE_URL", "ws://gpu-host:9000")
     monkeypatch.setenv("H3FORGE_TOKEN", "secret")
     monkeypatch.setenv("H3FORGE_AUTO_LAUNCH", "0")
     monkeypatch.setenv("H3FORGE_MODELS", "/models/h3")
     assert default_settings() == {"url": "ws://gpu-host:9000", "token": "secret", "auto_launch": False,
-                                 "preset": "tiny", "models_dir": "/models/h3", "device": "auto", "gpus": 1,
+                                 "preset": "toy", "models_dir": "/models/h3", "device": "auto", "gpus": 1,
                                  "attention": "auto", "sparse_attention": "engine default"}
 
 

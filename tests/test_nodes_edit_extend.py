@@ -284,7 +284,7 @@ def test_a_real_size_source_keeps_comfyuis_event_loop_responsive(settings):
     async def workflow():
         stop = asyncio.Event()
         ticking = asyncio.create_task(timer(stop))
-        (mask,) = await H3ForgeMaskTrackBox().track("0: 320, 460, 200, 200\n123: 760, 460, 200, 200", 1344, 768,
+        (mask,) = await H3ForgeMaskTrackBox().track("0: 197, 491, 277, 277\n123: 610, 491, 277, 277", 1344, 768,
                                                     FRAMES, video=video)
         (mask,) = await H3ForgeMaskGrow().grow(mask, 24)
         overlay, edited = await asyncio.gather(

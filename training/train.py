@@ -54,11 +54,12 @@ TOY = replace(TINY, num_attention_heads=4, attention_head_dim=64, hidden_size=25
 FILES = TOY_FILES
 EVAL_SEED = 10_000_000  # scenes from here on are never trained on
 TASKS = {"t2va": 0.4, "first": 0.15, "first_last": 0.1, "edit": 0.2, "extend": 0.15}  # share of DiT steps per layout
-EMA = 0.999
+EMA = 0.995
 VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of the temporal chunking
 STAGES = {"video_vae": 0.3, "audio_vae": 0.15, "dit": 0.55}  # share of the time budget
 # `--stages video_decoder` alone: the video VAE's decoder trained further on its own budget (the encoder and so the
-# DiT's latents unchanged); it runs beside a DiT run on the same GPU (each is launch-bound).
+# DiT's latents unchanged); it runs beside a DiT run on the same GPU (each is launch-bound). `--stages latent_rgb`
+# alone refits the previews' latent -> RGB projection of the files in --resume.
 
 
 def render_clip(args: tuple[int, int, int, float]) -> tuple[np.ndarray, np.ndarray, str]:
@@ -201,6 +202,22 @@ def encode_audio(vae: AudioVAE, clip) -> torch.Tensor:
     return vae.encode(torch.from_numpy(clip[1]), vae.sample_rate)  # [2, 32, Ta]
 
 
+@torch.no_grad()
+def fit_latent_rgb(vae: VideoVAE, clips, samples: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The live previews' latent -> RGB projection, least squares: every latent cell against the mean colour (in
+    [-1, 1]) of its 16x16 pixels at the latent's nearest pixel frame."""
+    latents, colours = [], []
+    for clip in clips[:samples]:
+        z = encode_video(vae, clip).float().cpu()  # [24, T, h, w]
+        frames = clip[0][np.round(np.linspace(0, clip[0].shape[0] - 1, z.shape[1])).astype(int)]
+        rgb = F.avg_pool2d(torch.from_numpy(frames).permute(0, 3, 1, 2).float() / 127.5 - 1, vae.spatial_compression)
+        latents.append(z.permute(1, 2, 3, 0).reshape(-1, z.shape[0]))
+        colours.append(rgb.permute(0, 2, 3, 1).reshape(-1, 3))
+    x = torch.cat(latents)
+    solution = torch.linalg.lstsq(torch.cat([x, torch.ones(len(x), 1)], 1), torch.cat(colours)).solution
+    return solution[:-1].contiguous(), solution[-1].contiguous()
+
+
 def sigma(u: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * u / (1 + (shift - 1) * u)
 
@@ -318,6 +335,23 @@ def encoded(pipe: H3Pipeline, clips, cache: Path | None) -> list[dict]:
     return data
 
 
+class KeyframeProcessor:
+    """The conditioner's image processor with each keyframe processed once: training shows the same keyframes
+    at every step, and the processor's per-image Python work would dominate the step."""
+
+    def __init__(self, processor):
+        self.processor, self.merge_size, self.done = processor, processor.merge_size, {}
+
+    def __call__(self, images, return_tensors="pt") -> dict:
+        parts = []
+        for image in images:
+            if id(image) not in self.done:
+                out = self.processor(images=[image], return_tensors=return_tensors)
+                self.done[id(image)] = (image, out["pixel_values"], out["image_grid_thw"])  # the image keeps its id
+            parts.append(self.done[id(image)][1:])
+        return {"pixel_values": torch.cat([p for p, _ in parts]), "image_grid_thw": torch.cat([g for _, g in parts])}
+
+
 def by_caption_length(pipe: H3Pipeline, data: list[dict]) -> list[list[int]]:
     """Clip indices grouped by their prompt's token count (one layout per group)."""
     groups: dict[int, list[int]] = {}
@@ -351,6 +385,8 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
     encoder = pipe.conditioner.model.float().train().requires_grad_(True)
+    processor, pipe.conditioner.image_processor = pipe.conditioner.image_processor, KeyframeProcessor(
+        pipe.conditioner.image_processor)
     params = [*dit.parameters(), *encoder.parameters()]
     ema = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW([{"params": list(dit.parameters()), "lr": lr, "base": lr},
@@ -389,6 +425,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     log("eval", step + 1, None, **evaluate(pipe, eval_scenes[:1] if max_steps else eval_scenes, 3 if max_steps else 9))
     dit.eval().requires_grad_(False)
     encoder.eval().requires_grad_(False)
+    pipe.conditioner.image_processor = processor
 
 
 def save(pipe: H3Pipeline, out: Path) -> None:
@@ -408,9 +445,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--resume", nargs="?", type=Path, const=True, default=None, metavar="DIR",
                    help="start from the weight files in DIR (default: --out)")
+    p.add_argument("--fresh-dit", action="store_true",
+                   help="with --resume: a DiT drawn from --seed instead of the file's (the other parts resumed)")
     p.add_argument("--cache", type=Path, default=None,
                    help="the DiT stage's encoded clips: read from this file when it holds --clips of them, else written")
-    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=[*STAGES, "video_decoder"])
+    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=[*STAGES, "video_decoder", "latent_rgb"])
     p.add_argument("--eval-every", type=int, default=2000, help="DiT steps between held-out evaluations")
     p.add_argument("--batch", type=int, default=32, help="DiT clips per step (of one caption length)")
     p.add_argument("--lr", type=float, default=3e-4, help="DiT learning rate (cosine to a tenth over the budget)")
@@ -441,10 +480,12 @@ def main(argv=None) -> int:
         pipe = H3Pipeline(build_dit(TOY, seed=args.seed, device=device), build_tiny_video_vae(args.seed).to(device),
                           build_tiny_audio_vae(args.seed).to(device), conditioner,
                           Canvas(short_edge=height, max_pixels=height * width, default_steps=8), device, "toy")
+    if args.fresh_dit:
+        pipe.dit = build_dit(TOY, seed=args.seed, device=device)
     pipe.canvas = Canvas(short_edge=height, max_pixels=height * width, default_steps=8)
     pipe.encode_mp4, pipe.adaln_cache = False, None
-    shares = {**STAGES, "video_decoder": 1.0}
-    stage_share = {k: v / sum(shares[s] for s in args.stages) for k, v in shares.items()}
+    shares = {**STAGES, "video_decoder": 1.0, "latent_rgb": 0.0}
+    stage_share = {k: v / max(1e-9, sum(shares[s] for s in args.stages)) for k, v in shares.items()}
     budget = args.minutes * 60
     if "video_vae" in args.stages:
         train_video_vae(pipe.video_vae, clips, budget * stage_share["video_vae"], 1 if args.smoke else 8, log, rng,
@@ -463,6 +504,9 @@ def main(argv=None) -> int:
         train_dit(pipe, encoded(pipe, clips, args.cache), budget * stage_share["dit"], 2 if args.smoke else args.batch, log, rng,
                   gen, [sample_scene(EVAL_SEED + i, width, height) for i in range(4)], args.eval_every, args.lr,
                   steps_cap)
+    if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
+        pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
+        log("latent_rgb", 0, bias=str([round(v, 3) for v in pipe.video_vae.latent_rgb[1].tolist()]))
     save(pipe, args.out)
     log("saved", 0, out=str(args.out))
     return 0

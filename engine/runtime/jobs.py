@@ -76,7 +76,7 @@ class ModelSource:
         return ModelRoots(self.models_dir, self.model_paths)
 
     def embedded(self) -> str | None:
-        """"tiny" when the weights have the embedded default's architecture (the preset, or single files of it),
+        """The preset, or "tiny" when single files have the embedded default's architecture (the preset, or single files of it),
         whose canvas and work limits are small; None for the released model."""
         from engine.models.h3.conditioner import tiny_text_encoder_shape
 
@@ -142,8 +142,8 @@ def load_upscaler(source: ModelSource, ctx: RankContext, model: str, on_loaded=N
     from engine.models.seedvr2.pipeline import SeedVR2Pipeline
 
     if source.preset:
-        pipe = SeedVR2Pipeline.from_preset("tiny" if model == "3b" else f"tiny-{model}", device=ctx.device,
-                                           on_loaded=on_loaded)
+        preset = "toy" if source.preset == "toy" and model == "3b" else "tiny" if model == "3b" else f"tiny-{model}"
+        pipe = SeedVR2Pipeline.from_preset(preset, device=ctx.device, on_loaded=on_loaded)
     else:
         try:
             pipe = SeedVR2Pipeline.from_models(source.models_dir, size=model, device=ctx.device, on_loaded=on_loaded)

@@ -1,6 +1,6 @@
 """`python -m engine serve`: the engine service. `add_serve_args` registers the subcommand, `run_serve` runs it.
 
-    python -m engine serve [--preset tiny | --models DIR] [--host 127.0.0.1] [--port 8190] [--gpus N]
+    python -m engine serve [--preset toy | --models DIR] [--host 127.0.0.1] [--port 8190] [--gpus N]
                            [--device auto|cuda|cpu] [--token-file F] ...
     python -m engine serve --models ComfyUI/models --dit minimax_h3_fl2va_pruned_int8_convrot.safetensors \
         --text-encoder qwen3vl_32b_minimax_h3_int8_convrot.safetensors \
@@ -33,8 +33,9 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
         description="Run the H3Forge engine: the WebSocket API the ComfyUI nodes talk to, a job queue, and a "
                     "dashboard at http://HOST:PORT/?token=...")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="embedded weights drawn from a seed, no files needed: tiny "
-                                      "(the default when no models directory is given)")
+    src.add_argument("--preset", choices=("toy", "tiny"),
+                     help="embedded weights, no files needed: toy (trained on the toy world; the default when no "
+                          "models directory is given) or tiny (random, for tests)")
     src.add_argument("--models", metavar="DIR", default=os.environ.get("H3FORGE_MODELS"),
                      help="models directory with real checkpoints (default: $H3FORGE_MODELS)")
     files = p.add_argument_group(
@@ -107,7 +108,7 @@ def model_source(args: argparse.Namespace, **options):
         if args.tokenizer_dir:
             raise SystemExit("--tokenizer-dir goes with the single files (--dit, --text-encoder, --video-vae, "
                              "--audio-vae).")
-        source = ModelSource(preset=args.preset or (None if args.models else "tiny"), models_dir=args.models,
+        source = ModelSource(preset=args.preset or (None if args.models else "toy"), models_dir=args.models,
                              model_paths=tuple(args.model_path), **options)
         source.roots()  # an unknown --model-path folder fails here
         return source
@@ -155,8 +156,8 @@ def run_serve(args: argparse.Namespace) -> int:
                    dit_precision=args.dit_precision)
     source = model_source(args, **options)
     if source.preset and not args.preset:
-        log_event("engine.default_preset", note="no --models or $H3FORGE_MODELS: serving the tiny preset "
-                                                "(random weights, for demos and tests)")
+        log_event("engine.default_preset", note="no --models or $H3FORGE_MODELS: serving the toy preset "
+                                                "(the embedded default, trained on the toy world)")
     try:
         if ctx.rank == 0:
             return asyncio.run(serve(args, ctx, source))

@@ -24,6 +24,7 @@ import torch
 
 from engine.models.h3 import layout as L
 from engine.models.h3.request import Cancelled, GenerateResult, StepEvent
+from engine.models.h3.vae import VIDEO_LATENT_RGB_BIAS, VIDEO_LATENT_RGB_FACTORS
 from engine.models.phases import PhaseEvent
 from engine.protocol import ProtocolError
 from engine.runtime.agreement import PeerFailed
@@ -85,6 +86,12 @@ def progress_message(job: str, stage: str, step: int = 0, total: int = 0, eta_s:
             "has_preview": has_preview, **extra}
 
 
+def latent_rgb(runner) -> tuple:
+    """The previews' latent -> RGB projection of the runner's video VAE (the released one's when it has none)."""
+    vae = getattr(getattr(runner, "pipeline", None), "video_vae", None)
+    return getattr(vae, "latent_rgb", (VIDEO_LATENT_RGB_FACTORS, VIDEO_LATENT_RGB_BIAS))
+
+
 class ProgressReporter:
     """The pipeline's boundary callback on rank 0 (runs on the pipeline thread): every event becomes a progress
     message (stage, done/total, ETA, detail), with a preview at most every PREVIEW_INTERVAL_S where one exists.
@@ -97,8 +104,10 @@ class ProgressReporter:
     kept by the scheduler). SeedVR2 batches preview a finished batch's middle frame."""
 
     def __init__(self, job: Job, loop: asyncio.AbstractEventLoop, decode_s_per_voxel: float,
-                 rates: dict[str, float] | None = None):
+                 rates: dict[str, float] | None = None,
+                 latent_rgb: tuple[torch.Tensor, torch.Tensor] = (VIDEO_LATENT_RGB_FACTORS, VIDEO_LATENT_RGB_BIAS)):
         self.job, self.loop, self.decode_s_per_voxel = job, loop, decode_s_per_voxel
+        self.latent_rgb = tuple(torch.as_tensor(v, dtype=torch.float32) for v in latent_rgb)  # preview projection
         self.rates = rates if rates is not None else {}  # stage -> seconds per chunk, carried to the next job
         self.started = time.perf_counter()  # of the job, then of its denoise loop
         self.first_step_at: float | None = None
@@ -114,7 +123,7 @@ class ProgressReporter:
         if now - self.last_preview_at >= PREVIEW_INTERVAL_S:
             latents = getattr(event, "video_x0", None)
             if latents is not None:
-                preview = preview_jpeg(latents)
+                preview = preview_jpeg(latents, self.latent_rgb)
             elif getattr(event, "preview", None) is not None:
                 preview = frame_jpeg(event.preview)
             if preview is not None:
@@ -335,7 +344,7 @@ class Scheduler:
             check_memory_cap(job.spec, self.memory_cap_bytes, self.runner.pipeline)
             result = await loop.run_in_executor(self._executor, self.runner.run, job.spec, job.cancel,
                                                 ProgressReporter(job, loop, self.decode_s_per_voxel,
-                                                                 self.phase_rates))
+                                                                 self.phase_rates, latent_rgb(self.runner)))
         except Exception as exc:
             self._finish(job, error=exc)
         else:

@@ -63,6 +63,19 @@ AUDIO_LATENTS_STD = (
     1.8318420762504692, 1.5540637421583379, 1.9344930328968526, 1.599198216109855, 1.718045989838149,
     1.6307219190837705, 1.8661226051202384, 1.5613768203168363,
 )
+# The released VAE's preview projection (ComfyUI's MiniMaxH3Video latent format): normalised latent [24] -> RGB
+# in [-1, 1] = latent @ factors + bias. A file may carry its own fitted pair (LATENT_RGB: the embedded default's).
+VIDEO_LATENT_RGB_FACTORS = (
+    (-0.018555, 0.024344, -0.017536), (0.150164, 0.137244, 0.129221), (0.027367, -0.050369, -0.208606),
+    (-0.000793, -0.164622, -0.323161), (-0.048556, 0.013970, -0.074286), (0.011740, 0.014172, -0.006906),
+    (0.061517, 0.061212, 0.110025), (0.035321, 0.086879, 0.110059), (-0.017426, 0.002997, 0.035356),
+    (0.531539, 0.548819, 0.624404), (-0.024968, -0.040234, -0.034302), (-0.032549, -0.029096, -0.017221),
+    (0.022609, 0.020286, 0.050661), (-0.084001, -0.038131, -0.020805), (-0.018830, 0.010412, 0.061120),
+    (0.020777, 0.011196, -0.030994), (-0.008390, -0.012201, -0.025687), (-0.013281, -0.002924, 0.006331),
+    (0.000260, 0.001833, -0.011038), (0.105471, 0.100482, 0.132106), (0.016529, 0.015213, 0.009999),
+    (-0.014015, -0.017438, -0.019134), (-0.033787, -0.009984, -0.019725), (0.004224, 0.017284, 0.027196),
+)
+VIDEO_LATENT_RGB_BIAS = (0.057426, -0.022078, -0.071449)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 TILE_SIZE, TILE_OVERLAP = 256, 64
@@ -262,10 +275,13 @@ class VideoVAE(nn.Module):
     """`AutoencoderKLMiniMaxH3` plus the 24-channel latent statistics; see the module docstring."""
 
     def __init__(self, model: AutoencoderKLMiniMaxH3, latents_mean=VIDEO_LATENTS_MEAN,
-                 latents_std=VIDEO_LATENTS_STD, tile_size: int = TILE_SIZE, tile_overlap: int = TILE_OVERLAP):
+                 latents_std=VIDEO_LATENTS_STD, tile_size: int = TILE_SIZE, tile_overlap: int = TILE_OVERLAP,
+                 latent_rgb=(VIDEO_LATENT_RGB_FACTORS, VIDEO_LATENT_RGB_BIAS)):
         super().__init__()
         _check_stats(latents_mean, latents_std, model.config.latent_channels, "video VAE")
         self.model = model.eval()
+        # (factors [24, 3], bias [3]) of the live previews' linear latent -> RGB projection, on the CPU
+        self.latent_rgb = tuple(torch.as_tensor(v, dtype=torch.float32) for v in latent_rgb)
         self.latents_mean_values = tuple(float(v) for v in latents_mean)
         self.latents_std_values = tuple(float(v) for v in latents_std)
         self.register_buffer("latents_mean", _channel_stats(self.latents_mean_values, 5), persistent=False)
@@ -569,6 +585,7 @@ __all__ = [
 
 COMFY_VAE_PREFIXES = ("first_stage_model.", "vae.")
 LATENT_STATS = ("latents_mean", "latents_std")
+LATENT_RGB = ("latent_rgb_factors", "latent_rgb_bias")  # optional in a video VAE file (VideoVAE.latent_rgb)
 # audio_vae/metadata.json of the release (spec §7.4)
 FULL_AUDIO_KWARGS = dict(encoder_dim=64, encoder_rates=[2, 4, 4, 5, 5], latent_dim=2048, vae_latent_channels=32,
                          decoder_dim=1024, decoder_rates=[5, 5, 2, 2, 2, 2, 2], decoder_type="bigvgan",
@@ -584,6 +601,8 @@ def _single_file_items(path: Path, stats: dict) -> Iterator[tuple[str, torch.Ten
             name = key[len(prefix):]
             if name in LATENT_STATS:
                 stats[name] = f.get_tensor(key).float().flatten().tolist()
+            elif name in LATENT_RGB:
+                stats[name] = f.get_tensor(key).float()
             else:
                 yield name, f.get_tensor(key).float()
 
@@ -602,7 +621,15 @@ def load_video_vae_file(path: str | Path, config: dict | None = None) -> VideoVA
         model = AutoencoderKLMiniMaxH3(**(config or video_vae_config_from_original({}, {})))
     stats: dict = {}
     _load_strict(model, convert_original_video_vae(_single_file_items(path, stats), model, path.name), path.name)
-    return VideoVAE(model, *_latent_stats(stats, path))
+    vae = VideoVAE(model, *_latent_stats(stats, path))
+    if all(name in stats for name in LATENT_RGB):
+        factors, bias = (stats[name] for name in LATENT_RGB)
+        if factors.shape != (model.config.latent_channels, 3) or bias.shape != (3,):
+            raise ValueError(f"{path.name}: latent_rgb_factors / latent_rgb_bias must be "
+                             f"[{model.config.latent_channels}, 3] / [3], got {list(factors.shape)} / "
+                             f"{list(bias.shape)}")
+        vae.latent_rgb = (factors, bias)
+    return vae
 
 
 def load_audio_vae_file(path: str | Path, config: dict | None = None) -> AudioVAE:
@@ -636,6 +663,7 @@ def save_video_vae_file(vae: VideoVAE, path: str | Path, prefix: str = "") -> Pa
     out[prefix + "decoder.mask_token"] = torch.zeros(1, 1, heads * 16).half()  # unused at inference
     out[prefix + "latents_mean"] = torch.tensor(vae.latents_mean_values)
     out[prefix + "latents_std"] = torch.tensor(vae.latents_std_values)
+    out[prefix + "latent_rgb_factors"], out[prefix + "latent_rgb_bias"] = vae.latent_rgb
     save_file({k: v.detach().contiguous().cpu() for k, v in out.items()}, str(path))
     return Path(path)
 
