@@ -1,6 +1,6 @@
-"""`python -m engine demo`: the quick-start job. Starts the bundled engine on the embedded `toy` preset (trained on the toy world) (as the
-ComfyUI nodes do), runs one text-to-video+audio job through the real WebSocket client with live progress, and
-writes the MP4 the engine returns."""
+"""`python -m engine demo`: the quick-start job. Starts the bundled engine on the embedded `toy` preset (the
+default, trained on the toy world) as the ComfyUI nodes do, runs one text-to-video+audio job through the real
+WebSocket client with live progress, and writes the MP4 the engine returns."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def add_demo_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="demo.mp4")
+    p.add_argument("--strip", metavar="PNG", help="also write a strip of six frames from the first to the last")
     p.set_defaults(func=run_demo)
 
 
@@ -53,10 +54,22 @@ async def _demo(args: argparse.Namespace) -> int:
     finally:
         print(file=sys.stderr)
     Path(args.out).write_bytes(result.mp4)
+    if args.strip:
+        write_strip(result.frames, args.strip)
     F, H, W, _ = result.frames.shape
     print(f"wrote {args.out}: {F} frames {W}x{H} @ {result.fps} fps with {result.audio.shape[0]}-channel audio "
           f"(job {result.job}, {time.perf_counter() - t0:.1f} s in all)", file=sys.stderr)
     return 0
+
+
+def write_strip(frames, path: str, count: int = 6) -> None:
+    """uint8 frames [F, H, W, 3] -> a PNG of `count` frames evenly spread from the first to the last, side by side."""
+    import numpy as np
+    from PIL import Image
+
+    frames = np.asarray(frames)
+    picks = np.linspace(0, len(frames) - 1, count).round().astype(int)
+    Image.fromarray(np.concatenate(list(frames[picks]), axis=1)).save(path, optimize=True)
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -448,7 +448,8 @@ def main(argv=None) -> int:
     p.add_argument("--fresh-dit", action="store_true",
                    help="with --resume: a DiT drawn from --seed instead of the file's (the other parts resumed)")
     p.add_argument("--cache", type=Path, default=None,
-                   help="the DiT stage's encoded clips: read from this file when it holds --clips of them, else written")
+                   help="the DiT stage's encoded clips: read from this file when it holds --clips of them, "
+                        "else written")
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=[*STAGES, "video_decoder", "latent_rgb"])
     p.add_argument("--eval-every", type=int, default=2000, help="DiT steps between held-out evaluations")
     p.add_argument("--batch", type=int, default=32, help="DiT clips per step (of one caption length)")
@@ -501,9 +502,9 @@ def main(argv=None) -> int:
         raw = audio_vae(pipe.audio_vae.model).to(device)
         pipe.audio_vae = audio_vae(pipe.audio_vae.model, *latent_stats(raw, clips, encode_audio, 1, 32)).to(device)
     if "dit" in args.stages:
-        train_dit(pipe, encoded(pipe, clips, args.cache), budget * stage_share["dit"], 2 if args.smoke else args.batch, log, rng,
-                  gen, [sample_scene(EVAL_SEED + i, width, height) for i in range(4)], args.eval_every, args.lr,
-                  steps_cap)
+        eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(4)]
+        train_dit(pipe, encoded(pipe, clips, args.cache), budget * stage_share["dit"],
+                  2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
         log("latent_rgb", 0, bias=str([round(v, 3) for v in pipe.video_vae.latent_rgb[1].tolist()]))

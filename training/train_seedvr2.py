@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import time
 from pathlib import Path
 
 import numpy as np
@@ -177,7 +176,8 @@ def main(argv=None) -> int:
         pipe = SeedVR2Pipeline.from_preset("toy", device=device, root=args.out, dtype=torch.float32)
         dit, vae, text = pipe.dit, pipe.vae, pipe.text
     else:
-        dit, vae = build_nadit(TINY_3B, seed=args.seed, device=device), build_vae(TINY_VAE, seed=args.seed, device=device)
+        dit = build_nadit(TINY_3B, seed=args.seed, device=device)
+        vae = build_vae(TINY_VAE, seed=args.seed, device=device)
         text = torch.randn(TINY_TEXT_LEN, TINY_3B.text_dim, generator=torch.Generator().manual_seed(0)).to(device)
     budget = args.minutes * 60
     share = {k: v / sum(STAGES[s] for s in args.stages) for k, v in STAGES.items()}

@@ -76,7 +76,7 @@ class ModelSource:
         return ModelRoots(self.models_dir, self.model_paths)
 
     def embedded(self) -> str | None:
-        """The preset, or "tiny" when single files have the embedded default's architecture (the preset, or single files of it),
+        """The preset, or "tiny" when single files have the embedded default's architecture,
         whose canvas and work limits are small; None for the released model."""
         from engine.models.h3.conditioner import tiny_text_encoder_shape
 
