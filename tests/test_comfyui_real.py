@@ -93,6 +93,7 @@ EDIT_CHANGED, EDIT_KEPT, EDIT_CONTRAST = 12.0, 8.0, 3.0
 # even the kept latents to noise (its decoder is a ViT attending across 128-px tiles), so on them "kept" cannot be
 # seen in pixels and only "changed" is checked. Keyed by /v1/status models.weights.
 RANDOM_WEIGHTS = {"tiny"}
+EMBEDDED_WEIGHTS = {"tiny", "toy"}  # the small canvas and named sizes of the embedded presets
 # The frontend starts without the new-user template browser and the release check (no internet here).
 FRONTEND_SETTINGS = {"Comfy.TutorialCompleted": True, "Comfy.Notification.ShowVersionUpdates": False}
 
@@ -493,7 +494,7 @@ def test_workflow_runs_as_shipped(path, comfy, object_info, results):
         row["run_s"] = round(time.monotonic() - started, 1)
     row["node_s"] = {f"{i} {prompt[i]['class_type']}": t for i, t in node_s.items() if i in prompt}
     sources = input_clips(comfy, prompt, analysis=is_edit)
-    real_weights = engine_status(comfy)["models"]["weights"] not in RANDOM_WEIGHTS
+    real_weights = engine_status(comfy)["models"]["weights"] not in EMBEDDED_WEIGHTS
     problems, clips = [], {}
     for node_id, node in prompt.items():
         if node["class_type"] != "H3ForgePreview":

@@ -142,7 +142,7 @@ def load_upscaler(source: ModelSource, ctx: RankContext, model: str, on_loaded=N
     from engine.models.seedvr2.pipeline import SeedVR2Pipeline
 
     if source.preset:
-        preset = "toy" if source.preset == "toy" and model == "3b" else "tiny" if model == "3b" else f"tiny-{model}"
+        preset = f"tiny-{model}" if model != "3b" else "toy" if source.preset == "toy" else "tiny"  # no toy 7B
         pipe = SeedVR2Pipeline.from_preset(preset, device=ctx.device, on_loaded=on_loaded)
     else:
         try:
