@@ -1,8 +1,9 @@
 """How the trained embedded default does on the toy world, scored from decoded frames and sound alone
 (training/scoring.py): t2va over captions of held-out scenes (colour, motion, background, pitch, clicks, rain; the
 share of clips passing each check and all of them) and fl2va (PSNR of generated frame 0 against the rendered first
-frame, and of the last frame when both keyframes are given), the video VAE's reconstruction, and the trained
-SeedVR2 on degraded 2x clips against their bicubic upscale. Prints a table and writes JSON.
+frame, and of the last frame when both keyframes are given), the video VAE's reconstruction, masked edits of
+two-object clips (removal, replacement, sky repaint) and 5 s -> 15 s extensions (training/task_checks.py), and the
+trained SeedVR2 on degraded 2x clips against their bicubic upscale. Prints a table and writes JSON.
 
     python benchmarks/toy_eval.py --weights engine/weights/toy --captions 20 --out benchmarks/results/toy_eval.json
 """
@@ -13,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +22,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models.h3.pipeline import GenerateRequest, H3Pipeline  # noqa: E402
+from engine.models.h3.extend import plan_windows  # noqa: E402
+from engine.models.h3.pipeline import EditRequest, ExtendRequest, GenerateRequest, H3Pipeline  # noqa: E402
+from engine.models.h3.request import Source  # noqa: E402
 from engine.models.seedvr2.pipeline import SeedVR2Pipeline  # noqa: E402
 from training.captions import caption  # noqa: E402
 from training.quality import psnr  # noqa: E402
 from training.scoring import score_clip  # noqa: E402
-from training.toy_scene import sample_scene  # noqa: E402
-from training.toy_world import render  # noqa: E402
+from training.task_checks import (box_masks, extension_checks, removal_checks, repaint_checks,  # noqa: E402
+                                  replacement_checks)
+from training.toy_scene import COLOURS, HORIZON, sample_scene, visible_on  # noqa: E402
+from training.toy_world import MAX_FRAMES, render  # noqa: E402
 from training.train import EVAL_SEED, FILES  # noqa: E402
 from training.train_seedvr2 import degrade, to_model  # noqa: E402
 
@@ -36,6 +42,82 @@ def load(weights: Path, device: str) -> H3Pipeline:
                                  device=device, dtype=torch.float32)
     pipe.encode_mp4 = False
     return pipe
+
+
+def scenes_where(condition, first_seed: int, count: int, width: int, height: int) -> list:
+    """The first `count` held-out scenes (from `first_seed` on) that meet the condition."""
+    found, seed = [], first_seed
+    while len(found) < count:
+        scene = sample_scene(seed, width, height)
+        if condition(scene):
+            found.append(scene)
+        seed += 1
+    return found
+
+
+def edit_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict]:
+    """Masked edits of two-object clips: remove object 0 (a padded box track of it, as Mask Track Box draws),
+    replace it by a box of an unused colour, and repaint the sky of a blue-sky clip at night."""
+    rows = []
+    for i, scene in enumerate(scenes_where(lambda s: len(s.objects) == 2, EVAL_SEED + 1000, args.edits,
+                                           width, height)):
+        truth, (gone, kept) = render(scene, width, height), scene.objects
+        mask = box_masks(truth.masks[0])
+        source = Source(truth.frames, audio=truth.audio)
+        removed = pipe.edit(EditRequest(source, mask, caption(replace(scene, objects=(kept,))), "remove", seed=i))
+        colour = next(c for c in COLOURS if c not in (gone.colour, kept.colour) and visible_on(c, scene.background))
+        new = replace(scene, objects=(replace(gone, shape="box", colour=colour), kept))
+        replaced = pipe.edit(EditRequest(source, mask, caption(new), "replace", seed=i))
+        row = {"caption": caption(scene), "replacement": caption(new),
+               "removal": removal_checks(removed.frames.numpy(), truth, 0, mask),
+               "replace": replacement_checks(replaced.frames.numpy(), truth, 0, colour)}
+        rows.append(row)
+        print(f"edit {i}: remove {row['removal']['checks']} replace {row['replace']['checks']}", flush=True)
+    for i, scene in enumerate(scenes_where(lambda s: "blue sky" in s.background, EVAL_SEED + 2000, args.edits,
+                                           width, height)):
+        truth = render(scene, width, height)
+        sky = np.arange(height)[:, None] + 0.5 < HORIZON * height if scene.background != "blue sky" else \
+            np.ones((height, 1), bool)
+        sky = np.broadcast_to(sky, (height, width))
+        night = replace(scene, background="night")
+        out = pipe.edit(EditRequest(Source(truth.frames, audio=truth.audio), sky.astype(np.float32), caption(night),
+                                    "repaint", seed=i))
+        row = {"caption": caption(scene), "repaint": repaint_checks(out.frames.numpy(), truth, sky, "night")}
+        rows.append(row)
+        print(f"repaint {i}: {row['repaint']['checks']}", flush=True)
+    return rows
+
+
+def extension_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict]:
+    """5 s sources extended by 10 s in 5 s windows (overlap 7 latents), scored at the window boundaries."""
+    rows = []
+    for i, scene in enumerate(scenes_where(lambda s: True, EVAL_SEED + 3000, args.extensions, width, height)):
+        source = render(scene, width, height)
+        req = ExtendRequest(Source(source.frames, audio=source.audio), 10.0, [caption(scene)], window_seconds=5.0,
+                            seed=i)
+        out = pipe.extend(req)
+        F0 = len(source.frames)
+        windows = plan_windows(F0, int(round(req.seconds * 24)), req.overlap_latents, 5 * 24 + 5)
+        boundaries = [F0] + [w.start + w.frames for w in windows[:-1]]
+        frames = out.frames.numpy()[:MAX_FRAMES]  # windows of 5 s overshoot 15 s; the toy world renders to 15 s
+        truth = render(scene, width, height, num_frames=len(frames))
+        boundaries = [b for b in boundaries if b + 24 <= len(frames)]
+        row = {"caption": caption(scene), "boundaries": boundaries,
+               "extension": extension_checks(frames, np.asarray(out.audio)[:, :round(len(frames) / 24 * 32000)],
+                                             truth, boundaries)}
+        rows.append(row)
+        print(f"extend {i}: {row['extension']['checks']}", flush=True)
+    return rows
+
+
+def shares(rows: list[dict], task: str) -> dict:
+    """The share of rows passing each check of a task, and all of them."""
+    scored = [r[task]["checks"] for r in rows if task in r]
+    if not scored:
+        return {}
+    names = sorted({k for c in scored for k in c})
+    return {f"{task}_all_checks": float(np.mean([all(c.values()) for c in scored])),
+            **{f"{task}_{k}": float(np.mean([c[k] for c in scored if k in c])) for k in names}}
 
 
 def upscale_rows(args, width: int, height: int) -> dict:
@@ -62,6 +144,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None, help="sigma grid points (default: the canvas's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--upscales", type=int, default=4, help="degraded clips for the SeedVR2 rows (1 s each)")
+    p.add_argument("--edits", type=int, default=4, help="two-object clips for removal / replacement, and sky clips "
+                                                       "for the repaint")
+    p.add_argument("--extensions", type=int, default=3, help="5 s clips extended to 15 s")
     p.add_argument("--out", default="benchmarks/results/toy_eval.json")
     args = p.parse_args()
     pipe = load(args.weights, args.device)
@@ -89,18 +174,22 @@ def main() -> int:
             checks.setdefault(name, []).append(bool(ok))
         print(f"{i:3d} {'pass' if row['passed'] else 'fail'} fl2va {row['fl2va_first_frame_psnr']:5.1f} dB "
               f"{' '.join(k for k, ok in verdict.items() if not ok) or '-'} | {row['caption']}", flush=True)
+    edits, extensions = edit_rows(pipe, args, width, height), extension_rows(pipe, args, width, height)
     summary = {"captions": len(rows), "t2va_all_checks": float(np.mean([r["passed"] for r in rows])),
                **{f"t2va_{k}": float(np.mean(v)) for k, v in checks.items()},
                **{f"{k}_median": float(np.median([r[k] for r in rows])) for k in (
                    "fl2va_first_frame_psnr", "fl2va_both_first_psnr", "fl2va_both_last_psnr",
                    "vae_reconstruction_psnr")},
+               **shares(edits, "removal"), **shares(edits, "replace"), **shares(edits, "repaint"),
+               **shares(extensions, "extension"),
                **upscale_rows(args, width, height),
                "wall_s": round(time.perf_counter() - t0, 1), "device": args.device, "weights": str(args.weights)}
     print("\n== toy eval (share of clips passing; PSNR in dB) ==")
     for k, v in summary.items():
         print(f"{k:34s} {v:.3f}" if isinstance(v, float) else f"{k:34s} {v}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"summary": summary, "clips": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"summary": summary, "clips": rows, "edits": edits,
+                                                "extensions": extensions}, indent=1, default=float))
     return 0
 
 

@@ -140,7 +140,7 @@ class Conditioner:
     def encode_batch(self, prompts: Sequence[str], images: Sequence[Sequence[np.ndarray]]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """`encode` of prompts whose token rows line up (same length and tags), in one pass: hidden [B, Nt,
-        hidden], tags [Nt]. Differentiable (the embedded default's training)."""
+        hidden], tags [Nt] (the embedded default's training encodes its clips' prompts in such batches)."""
         images = [list(group) for group in images]
         if len(images) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(images)} keyframe lists")

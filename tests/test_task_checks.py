@@ -1,0 +1,68 @@
+"""The edit and extension checks (training/task_checks.py) pass the toy world's own render of the wanted result
+and fail the unedited source or a clip with a cut."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from training.task_checks import box_masks, extension_checks, removal_checks, repaint_checks, replacement_checks
+from training.toy_scene import HORIZON, ToyObject, Scene, sample_scene
+from training.toy_world import render
+
+W, H = 224, 128
+
+
+@pytest.fixture(scope="module")
+def two_objects():
+    scene = next(s for s in map(sample_scene, range(100)) if len(s.objects) == 2 and s.background != "black")
+    return scene, render(scene, W, H, 2.0)
+
+
+def test_removal_passes_the_scene_without_the_object_and_fails_the_source(two_objects):
+    scene, truth = two_objects
+    mask = box_masks(truth.masks[0])
+    assert mask.shape == truth.masks[0].shape and (mask[truth.masks[0]] == 1).all()
+    wanted = render(replace(scene, objects=scene.objects[1:]), W, H, 2.0).frames
+    good = removal_checks(wanted, truth, 0, mask)
+    assert all(good["checks"].values()), good
+    bad = removal_checks(truth.frames, truth, 0, mask)
+    assert not bad["checks"]["removed"] and bad["checks"]["outside_kept"], bad
+    smeared = wanted.copy()
+    smeared[:, :, :] = wanted.mean((0, 1, 2)).astype(np.uint8)  # everything changed, the other object lost
+    worst = removal_checks(smeared, truth, 0, mask)["checks"]
+    assert not worst["outside_kept"] and not worst["other_intact"]
+
+
+def test_replacement_passes_a_box_of_the_named_colour_in_place(two_objects):
+    scene, truth = two_objects
+    colour = next(c for c in ("blue", "green", "yellow", "purple", "white", "red")
+                  if c not in {o.colour for o in scene.objects})
+    new = replace(scene, objects=(replace(scene.objects[0], shape="box", colour=colour), scene.objects[1]))
+    assert replacement_checks(render(new, W, H, 2.0).frames, truth, 0, colour)["checks"]["filled"]
+    assert not replacement_checks(truth.frames, truth, 0, colour)["checks"]["filled"]
+
+
+def test_repaint_sees_the_sky_turn_to_night():
+    scene = Scene((ToyObject("ball", "red", "large", "stays still", 0.5, 0.8),), "green grass under a blue sky",
+                  False, False, 1)
+    truth = render(scene, W, H, 1.0)
+    sky = np.broadcast_to(np.arange(H)[:, None] + 0.5 < HORIZON * H, (H, W))
+    night = render(replace(scene, background="night"), W, H, 1.0).frames
+    assert repaint_checks(night, truth, sky, "night")["checks"]["moved"]
+    assert not repaint_checks(truth.frames, truth, sky, "night")["checks"]["moved"]
+
+
+def test_extension_passes_the_continued_render_and_fails_a_cut():
+    scene = Scene((ToyObject("box", "yellow", "large", "moves right", 0.2, 0.5, speed=0.04),), "grey", True, False,
+                  3)
+    truth = render(scene, W, H, 15.0)
+    boundaries = [124, 244]
+    good = extension_checks(truth.frames, truth.audio, truth, boundaries)
+    assert all(good["checks"].values()), good
+    cut = truth.frames.copy()
+    other = render(replace(scene, objects=(replace(scene.objects[0], x=0.7, motion="moves left"),),
+                           background="sand"), W, H, 15.0)
+    cut[244:] = other.frames[244:]
+    bad = extension_checks(cut, truth.audio, truth, boundaries)["checks"]
+    assert not bad["no_jump"] and not bad["velocity"] and not bad["no_drift"], bad

@@ -1,0 +1,131 @@
+"""Checks of the edit and extension tasks on toy clips, from the output pixels and sound against the source clip
+the task was given (its render: masks, centroids, colours). The thresholds are issue 18's.
+
+- removal: inside the mask at most 5 % of the object's colour pixels remain, outside it the clip is kept
+  (PSNR >= 35 dB against the source), the other object is intact (>= 80 % of its pixels keep its colour);
+- replacement: the named colour fills >= 50 % of the former object's area;
+- repaint: the masked region's mean colour moves to the named background's (nearer to it than to the source's);
+- extension: each window boundary continues the motion (velocity over the second before and after within 35 %,
+  for objects moving in a line or still),
+  shows no jump (frame difference at the boundary <= 2x the clip's median), keeps the hum's pitch, and the last
+  window's background stays within ΔE 5 of the first's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from training.quality import delta_e76, mean_colour_lab, psnr, srgb_to_lab
+from training.scoring import colour_labels, hum_tones, track_colour
+from training.toy_scene import BACKGROUNDS, COLOURS, DIRECTIONS, FPS, SAMPLE_RATE
+from training.toy_world import ToyClip
+
+REMOVED_SHARE = 0.05
+KEPT_PSNR_DB = 35.0
+INTACT_SHARE = 0.8
+FILLED_SHARE = 0.5
+VELOCITY_TOLERANCE = 0.35
+MIN_SPEED_PX_S = 4.0  # slower than this on both sides of a boundary counts as still (velocities agree)
+JUMP_RATIO = 2.0
+DRIFT_DELTA_E = 5.0
+LINEAR_MOTIONS = (*DIRECTIONS, "stays still")
+BOX_PAD = 6  # pixels around an object's bounding box, as a Mask Track Box drawn by hand leaves
+
+
+def box_masks(mask: np.ndarray, pad: int = BOX_PAD) -> np.ndarray:
+    """bool [F, H, W] object pixels -> float32 [F, H, W]: per frame, its bounding box grown by `pad` (what
+    H3Forge Mask Track Box makes of keyed boxes)."""
+    out = np.zeros(mask.shape, np.float32)
+    _, height, width = mask.shape
+    for f, frame in enumerate(mask):
+        rows, cols = np.flatnonzero(frame.any(1)), np.flatnonzero(frame.any(0))
+        if len(rows):
+            out[f, max(0, rows[0] - pad):min(height, rows[-1] + pad + 1),
+                max(0, cols[0] - pad):min(width, cols[-1] + pad + 1)] = 1
+    return out
+
+
+def _colour_pixels(frames: np.ndarray, colour: str) -> np.ndarray:
+    return colour_labels(frames) == list(COLOURS).index(colour)
+
+
+def removal_checks(frames: np.ndarray, source: ToyClip, removed: int, mask: np.ndarray) -> dict:
+    inside = mask > 0.5
+    colour = source.scene.objects[removed].colour
+    before = (_colour_pixels(source.frames, colour) & inside).sum()
+    remaining = float((_colour_pixels(frames, colour) & inside).sum() / max(before, 1))
+    kept = psnr(frames[~inside], source.frames[~inside])
+    measured = {"remaining_share": remaining, "outside_psnr": kept}
+    checks = {"removed": bool(remaining <= REMOVED_SHARE), "outside_kept": bool(kept >= KEPT_PSNR_DB)}
+    for k, other in enumerate(source.scene.objects):
+        if k != removed:
+            own = source.masks[k] & ~inside
+            measured["other_intact_share"] = float((_colour_pixels(frames, other.colour) & own).sum()
+                                                   / max(own.sum(), 1))
+            checks["other_intact"] = bool(measured["other_intact_share"] >= INTACT_SHARE)
+    return {"checks": checks, "measurements": measured}
+
+
+def replacement_checks(frames: np.ndarray, source: ToyClip, replaced: int, colour: str) -> dict:
+    area = source.masks[replaced]
+    filled = float((_colour_pixels(frames, colour) & area).sum() / max(area.sum(), 1))
+    return {"checks": {"filled": bool(filled >= FILLED_SHARE)}, "measurements": {"filled_share": filled}}
+
+
+def repaint_checks(frames: np.ndarray, source: ToyClip, region: np.ndarray, background: str) -> dict:
+    """`region` bool [H, W]: the repainted area; judged on its pixels outside the objects."""
+    free = region[None] & ~source.masks.any(0)
+    got = mean_colour_lab(frames, free)
+    target = srgb_to_lab(np.asarray(BACKGROUNDS[background][0], np.float64))
+    before = mean_colour_lab(source.frames, free)
+    to_target, to_source = float(delta_e76(got, target)), float(delta_e76(got, before))
+    return {"checks": {"moved": bool(to_target < to_source)},
+            "measurements": {"delta_e_to_target": to_target, "delta_e_to_source": to_source}}
+
+
+def _velocity(track, frames: slice) -> np.ndarray:
+    """Pixels per second of the centroid over the frames (fit of a line to the present ones)."""
+    t = np.arange(frames.start, frames.stop)
+    seen = track.present[frames]
+    if seen.sum() < 2:
+        return np.full(2, np.nan)
+    x, y = track.x[frames][seen], track.y[frames][seen]
+    return np.array([np.polyfit(t[seen], x, 1)[0], np.polyfit(t[seen], y, 1)[0]]) * FPS
+
+
+def _window_audio(audio: np.ndarray, frames: slice) -> np.ndarray:
+    return audio[:, int(frames.start / FPS * SAMPLE_RATE):int(frames.stop / FPS * SAMPLE_RATE)]
+
+
+def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boundaries: list[int]) -> dict:
+    """`truth`: the scene rendered for the whole length (the source is its start); `boundaries`: the first frame
+    each window adds (the source's length, then each later window's). Velocities are judged for objects that move
+    in a line or stay still, away from their contacts (a wall hit turns the true velocity too)."""
+    labels = colour_labels(frames)
+    diffs = np.abs(np.diff(frames.astype(np.int16), axis=0)).mean((1, 2, 3))  # diffs[i]: frame i -> i + 1
+    median = float(np.median(diffs))
+    checks, measured = {}, {"median_frame_difference": median}
+    speeds_agree, jumps = [], []
+    for b in boundaries:
+        before, after = slice(max(0, b - FPS), b), slice(b, min(len(frames), b + FPS))
+        for k, obj in enumerate(truth.scene.objects):
+            if obj.motion not in LINEAR_MOTIONS or any(abs(c - b) <= FPS for c in truth.contact_frames[k]):
+                continue
+            track = track_colour(labels, obj.colour)
+            v0, v1 = _velocity(track, before), _velocity(track, after)
+            s0, s1 = float(np.linalg.norm(v0)), float(np.linalg.norm(v1))
+            error = float(np.linalg.norm(v1 - v0) / max(s0, s1, MIN_SPEED_PX_S))
+            measured[f"{b}.{k}.velocity_error"] = error
+            speeds_agree.append(bool(error <= VELOCITY_TOLERANCE))
+        measured[f"{b}.frame_difference"] = float(diffs[b - 1])
+        jumps.append(bool(diffs[b - 1] <= JUMP_RATIO * median))
+    checks["velocity"], checks["no_jump"] = all(speeds_agree), all(jumps)
+    first, last = slice(0, boundaries[0]), slice(boundaries[-1], len(frames))
+    if truth.scene.humming:
+        heard = [list(hum_tones(_window_audio(audio, w)))[:len(truth.scene.objects)] for w in (first, last)]
+        checks["pitch_kept"] = bool(set(heard[0]) == set(heard[1]) == {o.colour for o in truth.scene.objects})
+    outside = [~((labels[w] >= 0) & (labels[w] < len(COLOURS))) for w in (first, last)]
+    drift = float(delta_e76(mean_colour_lab(frames[first], outside[0]), mean_colour_lab(frames[last], outside[1])))
+    measured["background_drift_delta_e"] = drift
+    checks["no_drift"] = bool(drift <= DRIFT_DELTA_E)
+    return {"checks": checks, "measurements": measured}
