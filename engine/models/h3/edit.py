@@ -2,7 +2,9 @@
 
 The source is encoded once; its latents are the clean rows of an edited `Target` (engine/models/h3/denoise.py),
 the mask (engine/models/h3/mask.py) says how much of each cell to regenerate. Cells with mask 0 come back
-bit-identical to the source encoding; an all-ones mask is plain generation with the same seed.
+bit-identical to the source encoding, and after decoding every pixel the mask leaves at 0 is the source's own (so
+the unedited area is the source exactly, not the decoder's reconstruction of it); an all-ones mask is plain
+generation with the same seed.
 """
 
 from __future__ import annotations
@@ -88,7 +90,9 @@ def run_edit(pipe, req: EditRequest, on_step=None) -> GenerateResult:
     audio_latents_out = L.unpack_audio(audio_rows)[0]
     t_dec = time.perf_counter()
     timings = {"denoise_s": t_dec - t_loop}
-    pixels, waveform, mp4 = pipe.decode(video_latents, audio_latents_out, source_frames, timings, notes, on_step)
+    kept = M.canvas_mask(mask, frames, height, width)[:source_frames] == 0
+    pixels, waveform, mp4 = pipe.decode(video_latents, audio_latents_out, source_frames, timings, notes, on_step,
+                                        keep=(clip.frames, kept))
     timings |= {"decode_s": time.perf_counter() - t_dec, "total_s": time.perf_counter() - t0}
     return GenerateResult(pixels, waveform, pipe.audio_vae.sample_rate, L.FPS, video_latents.cpu(),
                           audio_latents_out.cpu(), notes, timings, mp4)

@@ -5,7 +5,9 @@ A pixel mask [F, H, W] (or [H, W], broadcast over time) on the canvas reduces to
 (1, 4, 4, 4, 4 per 17-frame chunk): any regenerated pixel regenerates its latent. The *token* mask is the max
 over each 2x2 patch of cells, quantised up to 1/256 so a request has at most 257 distinct AdaLN rows. The cell
 mask, expanded to the packed row features, decides what is restored from the source after every step.
-Mask Preview overlays exactly `cell_mask`, so what the artist sees is what the engine uses.
+Mask Preview overlays exactly `cell_mask`, so what the artist sees is what the engine uses. After decoding, the
+pixels the mask leaves at 0 are the source's own (`canvas_mask`): the decoder's reconstruction of unedited cells
+is close to the source but not equal to it.
 """
 
 from __future__ import annotations
@@ -54,12 +56,18 @@ def check_mask(mask: torch.Tensor, frames: int, name: str = "mask") -> torch.Ten
     return mask
 
 
-def cell_mask(mask: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
-    """Pixel mask -> latent cell mask [T, height/16, width/16]."""
+def canvas_mask(mask: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
+    """A mask as drawn (on the source's own size or the canvas) -> [F, height, width] on the canvas."""
     mask = check_mask(mask, frames)
-    if mask.shape[1:] != (height, width):  # a mask drawn at the source's own size: resample onto the canvas
+    if mask.shape[1:] != (height, width):
         shrink = mask.shape[1] >= height and mask.shape[2] >= width
         mask = F.interpolate(mask[None], size=(height, width), mode="area" if shrink else "nearest-exact")[0]
+    return mask
+
+
+def cell_mask(mask: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
+    """Pixel mask -> latent cell mask [T, height/16, width/16]."""
+    mask = canvas_mask(mask, frames, height, width)
     s = L.VAE_SPATIAL
     cells = F.max_pool2d(mask[:, None], kernel_size=s, stride=s)[:, 0]
     return torch.stack([cells[a:b].amax(dim=0) for a, b in latent_frame_spans(frames)])

@@ -326,9 +326,12 @@ class H3Pipeline:
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(self.device)
 
     def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor, frames: int,
-               timings: dict[str, float], notes: list[str], on_step=None
+               timings: dict[str, float], notes: list[str], on_step=None,
+               keep: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, bytes | None]:
         """Latents -> (uint8 frames [frames, H, W, 3], float32 audio [2, S], the MP4 of both or None), on the CPU.
+        `keep` = (source frames uint8 [frames, H, W, 3], bool [frames, H, W]): where true the source's pixels
+        replace the decoded ones (an edit's unmasked area), in the frames and the MP4 alike.
 
         With `encode_mp4` the sound decodes first (it is small) so the MP4 encoder has it from the start; then each
         video VAE chunk goes to the encoder as it comes, and encoding overlaps decoding. `timings` gains mp4_s (the
@@ -346,6 +349,10 @@ class H3Pipeline:
         with encoder or contextlib.nullcontext():
             for chunk in self.video_vae.decode_chunks(video_latents):
                 chunk = chunk[:left]
+                if keep is not None:
+                    start = frames - left
+                    source, kept = (k[start:start + chunk.shape[0]] for k in keep)
+                    chunk = torch.where(kept[..., None], source, chunk)
                 if encoder is not None:
                     encoder.add(chunk)
                 chunks.append(chunk)
