@@ -1,4 +1,4 @@
-# Two entry points: `make demo` (engine on the embedded tiny preset -> demo.mp4) and `make test` (CPU suite).
+# Two entry points: `make demo` (engine on the embedded toy preset -> demo.mp4) and `make test` (CPU suite).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0

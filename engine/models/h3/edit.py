@@ -47,7 +47,8 @@ def run_edit(pipe, req: EditRequest, on_step=None) -> GenerateResult:
         notes.append(f"mask {mask_w}x{mask_h} resized to the video's {source_w}x{source_h}")
     if mask.ndim == 3 and len(clip.frame_index) != mask.shape[0] and mask.shape[0] == len(req.source.frames):
         mask = mask[clip.frame_index]  # a per-frame mask follows the source's fps resampling
-    cells = M.cell_mask(mask * strength, frames, height, width)
+    drawn = M.canvas_mask(mask, frames, height, width)
+    cells = M.cell_mask(drawn * strength, frames, height, width)
     if cells.max() == 0:
         raise M.MaskError("The mask is empty (all 0): nothing would change. Paint the area to regenerate "
                           "with 1 (white); 0 keeps the source.")
@@ -90,9 +91,8 @@ def run_edit(pipe, req: EditRequest, on_step=None) -> GenerateResult:
     audio_latents_out = L.unpack_audio(audio_rows)[0]
     t_dec = time.perf_counter()
     timings = {"denoise_s": t_dec - t_loop}
-    kept = M.canvas_mask(mask, frames, height, width)[:source_frames] == 0
     pixels, waveform, mp4 = pipe.decode(video_latents, audio_latents_out, source_frames, timings, notes, on_step,
-                                        keep=(clip.frames, kept))
+                                        keep=(clip.frames, drawn[:source_frames] == 0))
     timings |= {"decode_s": time.perf_counter() - t_dec, "total_s": time.perf_counter() - t0}
     return GenerateResult(pixels, waveform, pipe.audio_vae.sample_rate, L.FPS, video_latents.cpu(),
                           audio_latents_out.cpu(), notes, timings, mp4)
