@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models.h3.vae import (TINY_AUDIO_VAE, TINY_VIDEO_VAE, VideoVAE,
+from engine.models.h3.vae import (TINY_AUDIO_VAE, TINY_VIDEO_VAE, TOY_AUDIO_VAE, VideoVAE, audio_vae_file_config,
                                   build_tiny_audio_vae, build_tiny_video_vae, load_audio_vae_file,
                                   load_video_vae_file, save_audio_vae_file,
                                   save_video_vae_file)
@@ -74,3 +74,25 @@ def test_audio_vae_file_unexpected_key(tmp_path):
     save_file(tensors, path)
     with pytest.raises(ValueError, match=r"unexpected key 'decoder.conv_post.weight_g' in a.safetensors"):
         load_audio_vae_file(path, dict(TINY_AUDIO_VAE))
+
+
+def test_audio_vae_file_header_names_its_architecture(tmp_path):
+    """The embedded default's audio VAE (four upsamplers, not the release's seven) loads from its file alone: the
+    header records the architecture, and a file without one still takes the given or the released config."""
+    vae = build_tiny_audio_vae(seed=5, config=TOY_AUDIO_VAE)
+    path = comfy_audio_vae_file(vae, tmp_path / "minimax_h3_toy_audio_vae_fp32.safetensors")
+    assert audio_vae_file_config(path)["decoder_rates"] == [8, 5, 5, 4]
+    loaded = load_audio_vae_file(path)
+    assert loaded.model.config.decoder_dim == TOY_AUDIO_VAE["decoder_dim"]
+    z = torch.randn(2, 32, 3)
+    assert torch.allclose(loaded.decode(z), vae.decode(z), atol=1e-5)
+
+    tensors = load_file(path)
+    bare = tmp_path / "bare.safetensors"
+    save_file(tensors, bare)
+    assert audio_vae_file_config(bare) is None
+    with pytest.raises(ValueError, match=r"bare.safetensors"):  # read as the release: every shape disagrees
+        load_audio_vae_file(bare)
+    save_file(tensors, bare, metadata={"config": '{"decoder_dim": 256, "upsample_rates": [8, 5, 5, 4]}'})
+    with pytest.raises(ValueError, match=r"unknown audio VAE setting\(s\) \['upsample_rates'\].*allowed: encoder_dim"):
+        load_audio_vae_file(bare)

@@ -89,7 +89,7 @@ def test_a_fresh_dit_learns_to_read_the_caption():
     from engine.models.h3.dit import build_dit
     from training.toy_scene import Scene, ToyObject
     from training.toy_world import render
-    from training.train import dit_loss, prepare
+    from training.train import dit_loss, object_cover, prepare
 
     attention.set_backend("sdpa")
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def test_a_fresh_dit_learns_to_read_the_caption():
     for background in ("black", "white"):
         clip = render(Scene((ToyObject("ball", "red", "large", "stays still", 0.5, 0.5),), background, False, False, 1),
                       96, 64, num_frames=22)
-        clips.append((clip.frames, clip.audio, clip.caption))
+        clips.append((clip.frames, clip.audio, clip.caption, object_cover(clip.masks)))
     data = prepare(pipe, clips)  # the text encoder frozen, as in training
     opt = torch.optim.AdamW(pipe.dit.parameters(), lr=1e-3)
     rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)

@@ -40,8 +40,8 @@ from engine.models.h3.denoise import Target
 from engine.models.h3.dit import build_dit
 from engine.models.h3.pipeline import KEYFRAME_NOISE_AUG, TOY_FILES, Canvas, GenerateRequest, H3Pipeline
 from engine.models.h3.schedule import AUDIO_SHIFT, VIDEO_SHIFT
-from engine.models.h3.vae import (IMAGENET_MEAN, IMAGENET_STD, TINY_TILE_OVERLAP, TINY_TILE_SIZE, AudioVAE, VideoVAE,
-                                  build_tiny_audio_vae, build_tiny_video_vae, save_audio_vae_file,
+from engine.models.h3.vae import (IMAGENET_MEAN, IMAGENET_STD, TINY_TILE_OVERLAP, TINY_TILE_SIZE, TOY_AUDIO_VAE,
+                                  AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae, save_audio_vae_file,
                                   save_video_vae_file)
 from training.captions import caption
 from training.scoring import score_clip
@@ -55,6 +55,11 @@ FILES = TOY_FILES
 EVAL_SEED = 10_000_000  # scenes from here on are never trained on
 TASKS = {"t2va": 0.4, "first": 0.15, "first_last": 0.1, "edit": 0.2, "extend": 0.15}  # share of DiT steps per layout
 EMA = 0.995
+AUDIO_LR, AUDIO_WARMUP = 3e-4, 100
+TOKEN_PX = 32  # a DiT video token's square of pixels: the video VAE's 16x times the 2x2 patch
+# A video token's loss weight is 1 + OBJECT_WEIGHT x the share of it the objects cover: the objects are ~3 % of
+# the tokens, so an unweighted loss learns the background and leaves them as blobs.
+OBJECT_WEIGHT = 8.0
 FINISH_S = 30  # of --minutes kept for the last evaluation and the files
 VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of the temporal chunking
 STAGES = {"video_vae": 0.3, "audio_vae": 0.15, "dit": 0.55}  # share of the time budget
@@ -63,13 +68,25 @@ STAGES = {"video_vae": 0.3, "audio_vae": 0.15, "dit": 0.55}  # share of the time
 # alone refits the previews' latent -> RGB projection of the files in --resume.
 
 
-def render_clip(args: tuple[int, int, int, float]) -> tuple[np.ndarray, np.ndarray, str]:
+def object_cover(masks: np.ndarray) -> np.ndarray:
+    """bool [K, F, H, W] object masks -> float16 [T * gh * gw]: the share of each DiT video token (TOKEN_PX square,
+    its latent frame's span of frames) that the objects cover, in the DiT's row order."""
+    union = masks.any(0)
+    num_frames, height, width = union.shape
+    spans = np.array_split(np.arange(num_frames), L.latent_frames(num_frames) if num_frames > 1 else 1)
+    grid = np.stack([union[span].mean(0) for span in spans])
+    grid = grid.reshape(len(spans), height // TOKEN_PX, TOKEN_PX, width // TOKEN_PX, TOKEN_PX).mean((2, 4))
+    return grid.astype(np.float16).ravel()
+
+
+def render_clip(args: tuple[int, int, int, float]) -> tuple[np.ndarray, np.ndarray, str, np.ndarray]:
+    """(frames, audio, caption, object cover per DiT token) of one toy scene."""
     seed, width, height, seconds = args
     clip = render(sample_scene(seed, width, height), width, height, seconds)
-    return clip.frames, clip.audio, clip.caption
+    return clip.frames, clip.audio, clip.caption, object_cover(clip.masks)
 
 
-def toy_clips(seeds, width: int, height: int, seconds: float, workers: int) -> list[tuple[np.ndarray, np.ndarray, str]]:
+def toy_clips(seeds, width: int, height: int, seconds: float, workers: int) -> list[tuple]:
     jobs = [(s, width, height, seconds) for s in seeds]
     if workers <= 1:
         return [render_clip(j) for j in jobs]
@@ -141,8 +158,23 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
     model.enable_tiling(TINY_TILE_SIZE, TINY_TILE_SIZE, TINY_TILE_OVERLAP, TINY_TILE_OVERLAP)
 
 
+def fresh_audio_vae(seed: int) -> AudioVAE:
+    """TOY_AUDIO_VAE drawn from `seed` with signal-preserving upsamplers. At PyTorch's default init each transposed
+    conv scales the signal by sqrt(2 / (3 rate)) (x0.29 at rate 8), so what reaches the waveform hardly depends on
+    the latent (std 0.005 of an output of 0.018 at init) and training settles on one near-silent output for every
+    input; rescaled, the latent's share stays O(1) through the stack and the output starts at the clips' level."""
+    vae = build_tiny_audio_vae(seed, TOY_AUDIO_VAE)
+    decoder = vae.model.decoder
+    with torch.no_grad():
+        for (up,), rate in zip(decoder.ups, vae.model.config.decoder_rates):
+            up.weight_g.mul_((1.5 * rate) ** 0.5)
+        decoder.conv_post.weight_g.mul_(0.2)
+    return vae
+
+
 def stft_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Multi-resolution log-magnitude STFT distance: hums, clicks and rain are judged by their spectra."""
+    """Multi-resolution STFT distance, log magnitudes plus spectral convergence (the loud bins: hums and clicks
+    carry the energy): hums, clicks and rain are judged by their spectra."""
     loss = 0.0
     for n_fft in (256, 1024, 2048):
         if x.shape[-1] < n_fft:
@@ -151,22 +183,26 @@ def stft_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         sy, sx = (torch.stft(a.reshape(-1, a.shape[-1]), n_fft, n_fft // 4, window=window, return_complex=True).abs()
                   for a in (y, x))
         loss = loss + (torch.log(sy + 1e-5) - torch.log(sx + 1e-5)).abs().mean()
+        loss = loss + torch.linalg.norm(sy - sx) / torch.linalg.norm(sx).clamp(min=1e-3)
     return loss
 
 
 def train_audio_vae(vae: AudioVAE, clips, budget_s: float, batch: int, seconds: float, log: Log, rng,
                     max_steps=None) -> None:
     model, device = vae.model.train(), vae.device
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=AUDIO_LR, fused=device.type == "cuda")
     length = int(seconds * vae.sample_rate) // vae.hop * vae.hop
     for step in timed_steps(budget_s, max_steps):
+        # Warm-up: Adam's first full-size steps shift every layer's output together (the encoder's common part
+        # grows x4 in one step at 5e-4), and the decoder then learns one output for every input.
+        opt.param_groups[0]["lr"] = AUDIO_LR * (1 if max_steps else min(1.0, (step + 1) / AUDIO_WARMUP))
         segments = []
         for i in (range(batch) if max_steps else rng.integers(len(clips), size=batch)):
             audio = clips[i][1]
             start = 0 if max_steps else int(rng.integers(0, audio.shape[1] - length + 1))
             segments.append(audio[0 if max_steps else int(rng.integers(2)), start:start + length])
         x = torch.from_numpy(np.stack(segments)).to(device)[:, None]
-        y = model(x, sample_posterior=True).sample[..., :length]
+        y = model(x, sample_posterior=False).sample[..., :length]  # the engine decodes posterior means
         wave = F.l1_loss(y, x)
         loss = wave + stft_loss(y, x)
         opt.zero_grad(set_to_none=True)
@@ -263,7 +299,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator) -> to
     s_v, s_a = float(sigma(u, VIDEO_SHIFT)), float(sigma(u, AUDIO_SHIFT))
     ev, ea = noise(x0v), noise(x0a)
     xv, xa = (1 - s_v) * x0v + s_v * ev, (1 - s_a) * x0a + s_a * ea
-    t_video, weight = 1 - s_v, torch.ones(x0v.shape[1], device=device)
+    t_video, weight = 1 - s_v, torch.stack([b["weight"] for b in batch])
     cond_v, cond_a = xv[:, :0], xa[:, :0]
     if keyframes:
         layout = L.build_layout(tags, T, h, w, Ta, patch, keyframes)
@@ -284,7 +320,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator) -> to
             anchor = L.CONDITION_TIMESTEP * x0v + (1 - L.CONDITION_TIMESTEP) * noise(x0v)
             xv = torch.lerp(anchor, xv, q[None, :, None])
             t_video = Target(xv, cap=L.CONDITION_TIMESTEP, model_mask=q.cpu()).timesteps(s_v)
-            weight = q
+            weight = weight * q
     layout = layout.to(device)
     timestep, idx = L.row_timesteps(layout, t_video, 1 - s_a, t_text=1 - s_v)
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
@@ -292,7 +328,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator) -> to
                            idx.to(device), layout.token_tags, layout.position_ids, layout.video_indices,
                            layout.audio_indices, layout.text_indices)
     v_err = (v_out[:, cond_v.shape[1]:].float() - (x0v - ev)).pow(2).mean(-1)
-    video_loss = (v_err * weight).sum() / (weight.sum() * len(batch)).clamp(min=1)
+    video_loss = (v_err * weight).sum() / weight.sum().clamp(min=1)
     return video_loss + F.mse_loss(a_out[:, cond_a.shape[1]:].float(), x0a - ea)
 
 
@@ -320,7 +356,8 @@ def prepare(pipe: H3Pipeline, clips, batch: int = 64) -> list[dict]:
             audio = ((audio - pipe.audio_vae.latents_mean) / pipe.audio_vae.latents_std).unflatten(0, (-1, 2))
             for j, clip in enumerate(group):
                 out.append({"video": video[j], "audio": audio[j], "first": first[j], "last": last[j],
-                            "prompt": clip[2], "text": {}, "tags": {}})
+                            "prompt": clip[2], "text": {}, "tags": {},
+                            "weight": 1 + OBJECT_WEIGHT * torch.from_numpy(clip[3]).to(pipe.device).float()})
         for indices in by_caption_length(pipe, out):
             for start in range(0, len(indices), 64):
                 part = indices[start:start + 64]
@@ -447,6 +484,9 @@ def main(argv=None) -> int:
     p.add_argument("--fresh-dit", action="store_true",
                    help="with --resume: a DiT drawn from --seed instead of the file's (the other parts resumed; "
                         "the text encoder's embeddings rescaled to unit RMS, see text_at_unit_scale)")
+    p.add_argument("--fresh-audio-vae", action="store_true",
+                   help="with --resume: an audio VAE drawn from --seed (TOY_AUDIO_VAE) instead of the file's; a DiT "
+                        "resumed on it relearns the sound")
     p.add_argument("--cache", type=Path, default=None,
                    help="the DiT stage's encoded clips: read from this file when it holds --clips of them, "
                         "else written")
@@ -480,10 +520,12 @@ def main(argv=None) -> int:
     else:
         conditioner = build_tiny_conditioner(0, TOY.text_dim).to(device)  # frozen
         pipe = H3Pipeline(build_dit(TOY, seed=args.seed, device=device), build_tiny_video_vae(args.seed).to(device),
-                          build_tiny_audio_vae(args.seed).to(device), conditioner,
+                          fresh_audio_vae(args.seed).to(device), conditioner,
                           Canvas(short_edge=height, max_pixels=height * width, default_steps=8), device, "toy")
     if args.fresh_dit:
         pipe.dit = build_dit(TOY, seed=args.seed, device=device)
+    if args.fresh_audio_vae:
+        pipe.audio_vae = fresh_audio_vae(args.seed).to(device)
     if args.fresh_dit or not args.resume:
         text_at_unit_scale(pipe.conditioner)
     pipe.canvas = Canvas(short_edge=height, max_pixels=height * width, default_steps=8)

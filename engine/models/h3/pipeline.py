@@ -153,12 +153,13 @@ class H3Pipeline:
         ("text_encoder", "layer", "video_vae", "audio_vae", "canvas")."""
         from engine.models.h3.conditioner import tiny_text_encoder_shape
         from engine.models.h3.model_files import describe_file
-        from engine.models.h3.vae import TINY_AUDIO_VAE, TINY_VIDEO_VAE, load_audio_vae_file, load_video_vae_file
+        from engine.models.h3.vae import (TINY_AUDIO_VAE, TINY_VIDEO_VAE, audio_vae_file_config, load_audio_vae_file,
+                                          load_video_vae_file)
 
         device, configs = torch.device(device), dict(configs or {})
         if "text_encoder" not in configs and tiny_text_encoder_shape(text_encoder):
-            configs = {"video_vae": dict(TINY_VIDEO_VAE), "audio_vae": dict(TINY_AUDIO_VAE), "canvas": TINY_CANVAS,
-                       **configs}
+            audio = audio_vae_file_config(audio_vae) or dict(TINY_AUDIO_VAE)
+            configs = {"video_vae": dict(TINY_VIDEO_VAE), "audio_vae": audio, "canvas": TINY_CANVAS, **configs}
         conditioner = Conditioner.from_single_file(text_encoder, tokenizer_dir, configs.get("text_encoder"),
                                                    dtype=dtype, device=device, layer=configs.get("layer"))
         pipe = cls(load_dit(dit, dtype=dtype, device=device),

@@ -95,6 +95,14 @@ TINY_TILE_SIZE, TINY_TILE_OVERLAP = 128, 32
 # AMP block per stage instead of three (the per-sample activations at 32 kHz dominate CPU time).
 TINY_AUDIO_VAE = dict(encoder_dim=4, latent_dim=64, num_attention_heads=2, decoder_dim=128,
                       resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1, 3, 5),))
+# The embedded default's audio VAE. A one-channel last stage cannot be trained to make a tone (the tiny preset
+# trained decodes every input to the same near-silence, RMS 3e-4); the same hop 800 in four upsamplers ends at 16
+# channels (the release ends at 8). The file header records it (`save_audio_vae_file`).
+TOY_AUDIO_VAE = dict(encoder_dim=8, latent_dim=64, num_attention_heads=2, decoder_dim=256, decoder_rates=(8, 5, 5, 4),
+                     decoder_kernel_sizes=(16, 9, 9, 8), resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1, 3, 5),))
+AUDIO_ARCHITECTURE = ("encoder_dim", "encoder_rates", "latent_dim", "latent_channels", "num_attention_heads",
+                      "decoder_dim", "decoder_rates", "decoder_kernel_sizes", "resblock_kernel_sizes",
+                      "resblock_dilation_sizes", "sampling_rate")
 
 
 def _channel_stats(values, ndim: int) -> torch.Tensor:
@@ -566,8 +574,8 @@ class AudioVAE(nn.Module):
         return cls(model, mean, std)
 
 
-def build_tiny_audio_vae(seed: int = 0) -> AudioVAE:
-    model = _seeded(AutoencoderKLMiniMaxH3Audio, dict(TINY_AUDIO_VAE, latents_mean=list(AUDIO_LATENTS_MEAN),
+def build_tiny_audio_vae(seed: int = 0, config: dict = TINY_AUDIO_VAE) -> AudioVAE:
+    model = _seeded(AutoencoderKLMiniMaxH3Audio, dict(config, latents_mean=list(AUDIO_LATENTS_MEAN),
                                                       latents_std=list(AUDIO_LATENTS_STD)), seed)
     return AudioVAE(model)
 
@@ -632,10 +640,28 @@ def load_video_vae_file(path: str | Path, config: dict | None = None) -> VideoVA
     return vae
 
 
+def audio_vae_file_config(path: str | Path) -> dict | None:
+    """The architecture a Comfy audio VAE file's header records (`save_audio_vae_file` writes it), else None."""
+    with safe_open(Path(path), framework="pt", device="cpu") as f:
+        text = (f.metadata() or {}).get("config")
+    if text is None:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{Path(path).name}: the header's 'config' is not JSON ({error})") from None
+    unknown = sorted(set(config) - set(AUDIO_ARCHITECTURE))
+    if unknown:
+        raise ValueError(f"{Path(path).name}: unknown audio VAE setting(s) {unknown} in the header's 'config'; "
+                         f"allowed: {', '.join(AUDIO_ARCHITECTURE)}")
+    return config
+
+
 def load_audio_vae_file(path: str | Path, config: dict | None = None) -> AudioVAE:
     """The Comfy audio VAE single file: weight norms are removed from the model, which then takes the folded
-    weights as they are; `config` defaults to the released one."""
+    weights as they are; `config` defaults to the one in the file's header, else the released one."""
     path = Path(path)
+    config = config or audio_vae_file_config(path)
     with no_init_weights():
         model = AutoencoderKLMiniMaxH3Audio(
             **(config or audio_vae_config_from_original({"metadata": {"kwargs": FULL_AUDIO_KWARGS}}, {})))
@@ -679,5 +705,7 @@ def save_audio_vae_file(vae: AudioVAE, path: str | Path) -> Path:
             out[key] = value
     out["latents_mean"] = torch.tensor(vae.latents_mean_values)
     out["latents_std"] = torch.tensor(vae.latents_std_values)
-    save_file({k: v.detach().float().contiguous().cpu() for k, v in out.items()}, str(path))
+    config = {k: v for k, v in vae.model.config.items() if k in AUDIO_ARCHITECTURE}
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in out.items()}, str(path),
+              metadata={"config": json.dumps(config)})
     return Path(path)
