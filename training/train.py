@@ -56,6 +56,7 @@ EVAL_SEED = 10_000_000  # scenes from here on are never trained on
 TASKS = {"t2va": 0.4, "first": 0.15, "first_last": 0.1, "edit": 0.2, "extend": 0.15}  # share of DiT steps per layout
 EMA = 0.995
 AUDIO_LR, AUDIO_WARMUP = 3e-4, 100
+AUDIO_WAVE_WEIGHT, AUDIO_SPECTRAL_WEIGHT = 100.0, 0.3  # waveform MSE (it teaches the hum's phase) + spectra
 TOKEN_PX = 32  # a DiT video token's square of pixels: the video VAE's 16x times the 2x2 patch
 # A video token's loss weight is 1 + OBJECT_WEIGHT x the share of it the objects cover: the objects are ~3 % of
 # the tokens, so an unweighted loss learns the background and leaves them as blobs.
@@ -172,9 +173,10 @@ def fresh_audio_vae(seed: int) -> AudioVAE:
     return vae
 
 
-def stft_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Multi-resolution STFT distance, log magnitudes plus spectral convergence (the loud bins: hums and clicks
-    carry the energy): hums, clicks and rain are judged by their spectra."""
+def spectral_convergence(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Multi-resolution ||S_y - S_x|| / ||S_x|| of the STFT magnitudes: hums, clicks and rain by their spectra. No
+    log magnitudes: their mean over a hum's many near-silent bins pulls the decoder to silence (a pure-tone overfit
+    decodes to RMS 1e-4 after 300 steps with them, even at a tenth of the weight; to the tone in 150 without)."""
     loss = 0.0
     for n_fft in (256, 1024, 2048):
         if x.shape[-1] < n_fft:
@@ -182,7 +184,6 @@ def stft_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         window = torch.hann_window(n_fft, device=x.device)
         sy, sx = (torch.stft(a.reshape(-1, a.shape[-1]), n_fft, n_fft // 4, window=window, return_complex=True).abs()
                   for a in (y, x))
-        loss = loss + (torch.log(sy + 1e-5) - torch.log(sx + 1e-5)).abs().mean()
         loss = loss + torch.linalg.norm(sy - sx) / torch.linalg.norm(sx).clamp(min=1e-3)
     return loss
 
@@ -203,14 +204,14 @@ def train_audio_vae(vae: AudioVAE, clips, budget_s: float, batch: int, seconds: 
             segments.append(audio[0 if max_steps else int(rng.integers(2)), start:start + length])
         x = torch.from_numpy(np.stack(segments)).to(device)[:, None]
         y = model(x, sample_posterior=False).sample[..., :length]  # the engine decodes posterior means
-        wave = F.l1_loss(y, x)
-        loss = wave + stft_loss(y, x)
+        wave = F.mse_loss(y, x)
+        loss = AUDIO_WAVE_WEIGHT * wave + AUDIO_SPECTRAL_WEIGHT * spectral_convergence(y, x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 50 == 0 or max_steps:
-            log("audio_vae", step, max_steps, l1=wave.item(), loss=loss.item())
+            log("audio_vae", step, max_steps, mse=wave.item(), loss=loss.item())
     model.eval()
 
 
