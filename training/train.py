@@ -74,7 +74,7 @@ def object_cover(masks: np.ndarray) -> np.ndarray:
     its latent frame's span of frames) that the objects cover, in the DiT's row order."""
     union = masks.any(0)
     num_frames, height, width = union.shape
-    spans = np.array_split(np.arange(num_frames), L.latent_frames(num_frames) if num_frames > 1 else 1)
+    spans = np.array_split(np.arange(num_frames), L.latent_frames(num_frames))
     grid = np.stack([union[span].mean(0) for span in spans])
     grid = grid.reshape(len(spans), height // TOKEN_PX, TOKEN_PX, width // TOKEN_PX, TOKEN_PX).mean((2, 4))
     return grid.astype(np.float16).ravel()
