@@ -1,4 +1,4 @@
-"""`python -m engine generate`: one t2va / fl2va job in this process, written to an MP4."""
+"""`python -m engine generate`: one t2va / fl2va / ref2va job in this process, written to an MP4."""
 
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ def add_generate_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="out.mp4")
     p.add_argument("--first-frame", metavar="IMG")
     p.add_argument("--last-frame", metavar="IMG")
+    for kind, what in (("image", "an image file"), ("video", "a video file (its sound included)"),
+                       ("audio", "a sound file")):
+        p.add_argument(f"--ref-{kind}", action=_Reference, dest="references", default=[], metavar="FILE",
+                       help=f"ref2va: {what} as a reference; repeatable, all references in the order given (at most "
+                            "9 images, 3 videos, 3 sounds, 12 in all; sound never alone)")
+    p.add_argument("--ref-size", default="diffusers", choices=("diffusers", "match", "max"),
+                   help="image references: diffusers (short edge 2048, the release's), match (the canvas' area, "
+                        "never upscaled: what the Ref2VA Turbo LoRA expects), max (downscaled only past 2048)")
     p.add_argument("--lora", action="append", default=[], metavar="FILE[:SCALE]")
     p.add_argument("--steps", type=int, help="sigma grid points; N points = N-1 DiT evaluations")
     p.add_argument("--seed", type=int, default=0)
@@ -27,6 +35,33 @@ def add_generate_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--aspect", help="e.g. 16:9, 9:16, 1:1 (ignored with --width/--height)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.set_defaults(func=run_generate)
+
+
+class _Reference(argparse.Action):
+    """--ref-image / --ref-video / --ref-audio into one list, in the order given."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        getattr(namespace, self.dest).append((option_string.removeprefix("--ref-"), value))
+
+
+def _load_reference(kind: str, path: str):
+    import av
+
+    from engine.io.video import read_audio, read_video
+    from engine.models.h3.references import AudioReference, ImageReference, VideoReference
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"reference {kind} {path} not found")
+    try:
+        if kind == "image":
+            return ImageReference(_load_image(path))
+        if kind == "video":
+            frames, fps, audio, rate = read_video(path)
+            return VideoReference(frames, float(fps), audio, rate or 32000)
+        audio, rate = read_audio(path)
+        return AudioReference(audio, rate)
+    except (OSError, ValueError, av.FFmpegError) as exc:
+        raise ValueError(f"reference {kind} {path} could not be read ({exc})") from None
 
 
 def _load_image(path: str):
@@ -52,7 +87,8 @@ def run_generate(args: argparse.Namespace) -> int:
             steps=args.steps, seed=args.seed,
             first_frame=_load_image(args.first_frame) if args.first_frame else None,
             last_frame=_load_image(args.last_frame) if args.last_frame else None,
-            loras=[parse_lora_spec(spec) for spec in args.lora])
+            loras=[parse_lora_spec(spec) for spec in args.lora],
+            references=[_load_reference(kind, path) for kind, path in args.references], reference_size=args.ref_size)
         if args.models:
             pipe = H3Pipeline.from_models(args.models, device=device)
         else:

@@ -55,6 +55,10 @@ MAX_VIDEO_BYTES = MAX_RESULT_TENSOR_BYTES
 MAX_SOURCE_SECONDS = 600.0  # a source clip, after its frame rate is applied
 
 IMAGE_TENSORS = ("first_frame", "last_frame")
+MAX_REFERENCES = 12  # ref2va (the engine checks the per-kind limits: 9 images, 3 videos, 3 sounds)
+REFERENCE_TENSORS = tuple(f"ref{i}_{part}" for i in range(MAX_REFERENCES) for part in ("image", "frames", "audio"))
+REFERENCE_KINDS = ("image", "video", "audio")
+REFERENCE_SIZES = ("diffusers", "match", "max")
 
 
 class ProtocolError(Exception):
@@ -72,7 +76,7 @@ class Limits:
 
     max_control_bytes: int = 256 * 1024
     max_tensor_bytes: int = 256 * 2**20
-    max_tensors: int = 8
+    max_tensors: int = 16  # ref2va: 12 references and the soundtracks of up to 3 videos
     dtypes: tuple[str, ...] = ("uint8", "int32", "int64", "float16", "float32")
     # per connection: messages (control and tensor frames) a second on average, in bursts of up to `message_burst`;
     # replies waiting for a client that does not read them, before it is disconnected
@@ -218,6 +222,12 @@ def _mib(n: int) -> str:
 #
 # t2va / fl2va: prompt, seconds, width + height or aspect, steps, seed, loras; fl2va takes first_frame and/or
 #   last_frame (uint8 [H, W, 3]).
+# ref2va: the t2va params plus references, a list in the order the model reads them, entry i one of
+#   {"kind": "image"} with tensor ref{i}_image (uint8 [H, W, 3]),
+#   {"kind": "video", "fps": 24.0, "sample_rate": 32000} with tensor ref{i}_frames (uint8 [F, H, W, 3]) and
+#   optionally ref{i}_audio (its soundtrack, float32 [C, S]),
+#   {"kind": "audio", "sample_rate": 32000} with tensor ref{i}_audio;
+#   and ref_size (image references: diffusers, match or max).
 # edit, extend, refine, upscale start from ONE source:
 #   tensor source_mp4 (uint8 [N]: a video file's bytes, decoded by the engine, sound included), or
 #   tensor source_frames (uint8 [F, H, W, 3]) with param source_fps (default 24) and optionally tensor
@@ -377,6 +387,27 @@ def _overlap(task, key, value):
     return value
 
 
+def _references(task, key, value):
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_REFERENCES:
+        _invalid(f"{task}: '{key}' must be a list of 1 to {MAX_REFERENCES} references, got {shown(value)}.")
+    out = []
+    for i, entry in enumerate(value):
+        if not isinstance(entry, dict) or entry.get("kind") not in REFERENCE_KINDS:
+            _invalid(f"{task}: reference {i} must be an object with 'kind' one of {', '.join(REFERENCE_KINDS)}; "
+                     f"got {shown(entry)}.")
+        allowed = {"image": {"kind"}, "video": {"kind", "fps", "sample_rate"}, "audio": {"kind", "sample_rate"}}
+        unknown = sorted(set(entry) - allowed[entry["kind"]])
+        if unknown:
+            _invalid(f"{task}: reference {i} ({entry['kind']}) takes {sorted(allowed[entry['kind']])}, not {unknown}.")
+        checked = {"kind": entry["kind"]}
+        if "fps" in entry:
+            checked["fps"] = _number(task, f"reference {i} fps", entry["fps"], 0.0, 1000.0)
+        if "sample_rate" in entry:
+            checked["sample_rate"] = _integer(task, f"reference {i} sample_rate", entry["sample_rate"], 1000, 768000)
+        out.append(checked)
+    return out
+
+
 def _resolution(task, key, value):
     if isinstance(value, int) and not isinstance(value, bool):
         return _integer(task, key, value, 64, 8192)
@@ -414,6 +445,34 @@ def _generate_rules(task, checked, tensors, spec):
         _invalid(f"{task} needs a first frame, a last frame, or both.")
     for name in present:
         _check_image(task, name, tensors[name])
+
+
+def _ref2va_rules(task, checked, tensors, spec):
+    if "prompt" not in checked:
+        _invalid(f"{task}: a prompt is required.")
+    if "references" not in checked:
+        _invalid(f"{task}: 'references' is required: the images, videos and sounds, in the order the model reads "
+                 "them.")
+    if ("width" in checked) != ("height" in checked):
+        _invalid(f"{task}: give both width and height, or neither (then 'aspect' picks the canvas).")
+    expected = set()
+    for i, ref in enumerate(checked["references"]):
+        needed = {"image": [f"ref{i}_image"], "video": [f"ref{i}_frames"], "audio": [f"ref{i}_audio"]}[ref["kind"]]
+        optional = [f"ref{i}_audio"] if ref["kind"] == "video" else []
+        for name in needed:
+            if name not in tensors:
+                _invalid(f"{task}: reference {i} is {'an' if ref['kind'] == 'image' else 'a'} {ref['kind']}; send "
+                         f"its tensor {name}.")
+        expected |= set(needed + optional)
+        if ref["kind"] == "image":
+            _check_image(task, f"ref{i}_image", tensors[f"ref{i}_image"])
+        if ref["kind"] == "video":
+            _check_frames(task, f"ref{i}_frames", tensors[f"ref{i}_frames"])
+        if f"ref{i}_audio" in tensors and ref["kind"] != "image":
+            _check_audio(task, tensors[f"ref{i}_audio"], f"ref{i}_audio")
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        _invalid(f"{task}: tensors {extra} belong to no reference of this kind in 'references'.")
 
 
 def _edit_rules(task, checked, tensors, spec):
@@ -461,6 +520,9 @@ TASK_SPECS = {spec.name: spec for spec in (
     TaskSpec("t2va", "text to video with audio", _GENERATE_PARAMS, _generate_rules),
     TaskSpec("fl2va", "first and/or last frame to video with audio", _GENERATE_PARAMS, _generate_rules,
              IMAGE_TENSORS, images_required=1),
+    TaskSpec("ref2va", "video with audio from ordered reference images, videos and sounds",
+             {**_GENERATE_PARAMS, "references": _references, "ref_size": _choice(REFERENCE_SIZES)}, _ref2va_rules,
+             REFERENCE_TENSORS),
     TaskSpec("edit", "masked edit: object removal, replacement, repaint",
              {"prompt": _prompt, "preset": _choice(EDIT_PRESETS), "strength": _STRENGTH,
               "audio_mask": lambda t, k, v: _between(t, k, v, 0.0, 1.0), **_COMMON, **_SPEED, **_SOURCE},
@@ -550,19 +612,19 @@ def _check_frames(task: str, name: str, array) -> None:
         _invalid(f"{task}: {name} are {shape[2]}x{shape[1]}; frames must be 16 to 8192 pixels per side.")
 
 
-def _check_audio(task: str, array) -> None:
+def _check_audio(task: str, array, name: str = "source_audio") -> None:
     import numpy as np
 
     if array.dtype.name != "float32" or array.ndim != 2 or array.shape[0] not in (1, 2):
-        _invalid(f"{task}: source_audio must be mono or stereo float32 samples [C, S]; got {array.dtype.name} "
+        _invalid(f"{task}: {name} must be mono or stereo float32 samples [C, S]; got {array.dtype.name} "
                  f"{list(array.shape)}.")
     if array.shape[1] == 0:
-        _invalid(f"{task}: source_audio has {array.shape[0]} channel(s) but no samples; send the sound's samples, "
-                 f"or leave source_audio out for a silent source.")
+        _invalid(f"{task}: {name} has {array.shape[0]} channel(s) but no samples; send the sound's samples, "
+                 f"or leave {name} out for silence.")
     bad = ~np.isfinite(array)
     if bad.any():
         channel, sample = (int(i[0]) for i in np.nonzero(bad))
-        _invalid(f"{task}: source_audio has {int(bad.sum())} sample(s) that are NaN or infinite (the first in "
+        _invalid(f"{task}: {name} has {int(bad.sum())} sample(s) that are NaN or infinite (the first in "
                  f"channel {channel} at sample {sample}); samples must be finite numbers, normally -1 to 1.")
 
 

@@ -7,12 +7,14 @@ from .lora import H3ForgeLora
 from .masks import (H3ForgeMaskFeather, H3ForgeMaskFrameRange, H3ForgeMaskGrow, H3ForgeMaskPreview,
                     H3ForgeMaskTrackBox)
 from .preview import H3ForgePreview
+from .references import H3ForgeReferences
 from .t2v import H3ForgeTextToVideo
 from .upscale import H3ForgeUpscale
 
 NODE_CLASS_MAPPINGS = {
     "H3ForgeEngine": H3ForgeEngine,
     "H3ForgeTextToVideo": H3ForgeTextToVideo,
+    "H3ForgeReferences": H3ForgeReferences,
     "H3ForgeMaskedEdit": H3ForgeMaskedEdit,
     "H3ForgeExtendVideo": H3ForgeExtendVideo,
     "H3ForgeLora": H3ForgeLora,
@@ -28,6 +30,7 @@ NODE_CLASS_MAPPINGS = {
 NODE_DISPLAY_NAME_MAPPINGS = {
     "H3ForgeEngine": "H3Forge Engine",
     "H3ForgeTextToVideo": "H3Forge Text to Video (+ audio)",
+    "H3ForgeReferences": "H3Forge References",
     "H3ForgeMaskedEdit": "H3Forge Masked Edit",
     "H3ForgeExtendVideo": "H3Forge Extend Video",
     "H3ForgeLora": "H3Forge LoRA",

@@ -1,6 +1,6 @@
-"""The example inputs the shipped workflows load (workflows/example_inputs/: a drawn scene as video, keyframes and
-masks), put into ComfyUI's input folder when missing so that every shipped workflow runs as imported. A file of
-the same name already there is the user's and is left alone."""
+"""The example inputs the shipped workflows load (workflows/example_inputs/: a drawn scene as video, keyframes,
+masks, reference images and a sound), put into ComfyUI's input folder when missing so that every shipped workflow
+runs as imported. A file of the same name already there is the user's and is left alone."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "workflows" / "example_inputs"
-KINDS = (".png", ".mp4")
+KINDS = (".png", ".mp4", ".wav")
 
 
 def install(input_dir: str | Path) -> list[str]:

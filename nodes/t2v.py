@@ -1,4 +1,4 @@
-"""H3Forge Text to Video (+ audio): a t2va / fl2va job on the engine, with progress, preview and cancel.
+"""H3Forge Text to Video (+ audio): a t2va / fl2va / ref2va job on the engine, with progress, preview and cancel.
 
 Also the plumbing every engine-job node shares: the common inputs (steps, seed, engine, LoRAs), `run_job` (progress
 bar, live preview, status text, interrupt -> engine cancel, readable errors) and `video_job` (-> VIDEO, IMAGE,
@@ -15,6 +15,7 @@ from . import comfy_compat as comfy
 from .client import EngineError
 from .engine_node import ENGINE_TYPE, connect, readable_error, speed_params
 from .lora import LORAS_INPUT
+from .references import REFERENCES_INPUT, reference_job
 from .video_io import images_to_uint8, result_outputs
 
 ASPECTS = ["16:9", "9:16", "1:1", "4:3", "3:4", "21:9", "auto"]
@@ -118,8 +119,9 @@ def describe(event) -> str:
 
 class H3ForgeTextToVideo:
     DESCRIPTION = ("Generates a video with a matching soundtrack from a prompt on the H3Forge engine (MiniMax-H3). "
-                   "Connect first_frame and/or last_frame to start or end on given images. Shows step "
-                   "progress with a live preview; Cancel stops the engine job at the next step.")
+                   "Connect first_frame and/or last_frame to start or end on given images, or references (H3Forge "
+                   "References: images, videos, sounds) to generate from them (Ref2VA). Shows step progress with a "
+                   "live preview; Cancel stops the engine job at the next step.")
     CATEGORY = "H3Forge"
     FUNCTION = "generate"
     RETURN_TYPES, RETURN_NAMES, OUTPUT_TOOLTIPS = CLIP_RETURN_TYPES, CLIP_RETURN_NAMES, CLIP_OUTPUT_TOOLTIPS
@@ -154,6 +156,7 @@ class H3ForgeTextToVideo:
                                "canvas."}),
                 "lora_list": LORA_INPUT,
                 "loras": LORAS_INPUT,
+                "references": REFERENCES_INPUT,
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -165,15 +168,21 @@ class H3ForgeTextToVideo:
 
     async def generate(self, prompt, seconds, aspect, width, height, steps, seed,
                        engine=None, first_frame=None, last_frame=None, lora_list="", loras=None,
-                       unique_id=None):
+                       references=None, unique_id=None):
         problem = check_settings(width, height, steps)
         if problem:
             raise ValueError(f"H3Forge: {problem}")
+        if references is not None and (first_frame is not None or last_frame is not None):
+            raise ValueError("H3Forge: connect references or first_frame / last_frame, not both (give a start "
+                             "image as a reference image instead).")
         params = {
             "prompt": prompt, "seconds": float(seconds), "aspect": None if aspect == "auto" else aspect,
             "width": width or None, "height": height or None, "steps": steps or None, "seed": int(seed),
             "loras": job_loras(loras, lora_list),
         }
+        if references is not None:
+            extra, tensors = reference_job(references)
+            return await video_job(engine, "ref2va", {**params, **extra}, tensors, unique_id)
         tensors = await asyncio.to_thread(keyframe_tensors, first_frame, last_frame)
         return await video_job(engine, "fl2va" if tensors else "t2va", params, tensors, unique_id)
 

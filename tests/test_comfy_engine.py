@@ -145,6 +145,9 @@ def engine_token() -> str:
     (["--dit", DIT, "--text-encoder", TEXT_ENCODER], "missing --video-vae, --audio-vae"),
     (["--dit", DIT, "--text-encoder", TEXT_ENCODER, "--video-vae", VIDEO_VAE, "--audio-vae", AUDIO_VAE,
       "--model-path", "checkpoints=/tmp"], "Unknown model folder 'checkpoints'"),
+    (["--dit", DIT, "--text-encoder", TEXT_ENCODER, "--video-vae", VIDEO_VAE, "--audio-vae", AUDIO_VAE,
+      "--ref-dit", "../../ref.safetensors"], "is outside the engine's diffusion_models folders"),
+    (["--ref-dit", DIT], "--ref-dit goes with the single files"),
 ])
 def test_serve_refuses_what_cannot_work(trees, tmp_path, args, message):
     root, _ = trees

@@ -7,7 +7,7 @@ from diffusers import MiniMaxH3Transformer3DModel
 from engine.models.h3 import checkpoint
 from engine.models.h3.config import TEST_CONVERSION, TEST_DIFFUSERS, TEXT_TAG, VIDEO_TAG, TINY
 from engine.models.h3.dit import build_dit
-from engine.models.h3.layout import build_layout, row_timesteps
+from engine.models.h3.layout import ReferenceBlock, build_layout, build_ref2va_layout, row_timesteps
 
 
 def reference_model(ours):
@@ -20,8 +20,14 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+# A Ref2VA layout: an image and a video (with its sound) at their own resolutions, and a standalone sound.
+REF2VA = (ReferenceBlock("image", 1, 4, 8), ReferenceBlock("video", 2, 8, 6, audio_latents=5),
+          ReferenceBlock("audio", audio_latents=3))
+
+
 @pytest.mark.parametrize("config", [TEST_DIFFUSERS, TEST_CONVERSION, TINY], ids=["diffusers-test", "conversion", "tiny"])
-@pytest.mark.parametrize("keyframes", [(), ("first",), ("first", "last")], ids=["t2va", "fl2va-first", "fl2va-both"])
+@pytest.mark.parametrize("keyframes", [(), ("first",), ("first", "last"), REF2VA],
+                         ids=["t2va", "fl2va-first", "fl2va-both", "ref2va"])
 def test_dit_matches_diffusers(config, keyframes):
     torch.manual_seed(1)
     ours = build_dit(config, seed=3)
@@ -32,8 +38,11 @@ def test_dit_matches_diffusers(config, keyframes):
     ref = reference_model(ours)
     text_tags = torch.full((7,), TEXT_TAG)
     text_tags[2:5] = VIDEO_TAG  # a vision block inside the text stream
-    layout = build_layout(text_tags, num_latent_frames=7, latent_height=6, latent_width=10, num_audio_latents=9,
-                          keyframes=keyframes)
+    if keyframes is REF2VA:
+        layout = build_ref2va_layout(text_tags, REF2VA, 7, 6, 10, 9)
+    else:
+        layout = build_layout(text_tags, num_latent_frames=7, latent_height=6, latent_width=10, num_audio_latents=9,
+                              keyframes=keyframes)
     nv, na = layout.video_indices.numel(), layout.audio_indices.numel()
     video = torch.randn(1, nv, config.video_patch_dim)
     audio = torch.randn(1, na, config.audio_in_channels)

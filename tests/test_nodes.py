@@ -244,3 +244,39 @@ def test_lora_list_parsing():
     text = "# speed\nturbo.safetensors:1.0\n\nloras/style.safetensors : 0.6\nplain.safetensors\n"
     assert parse_lora_list(text) == [["turbo.safetensors", 1.0], ["loras/style.safetensors", 0.6],
                                      ["plain.safetensors", 1.0]]
+
+
+def references_node(**inputs):
+    from h3forge_pack.nodes.references import H3ForgeReferences
+
+    inputs = {"image_size": "diffusers", "max_megapixels": 4.2, "keep_video_sound": True, **inputs}
+    return asyncio.run(H3ForgeReferences().collect(**inputs))[0]
+
+
+def test_references_run_ref2va(settings):
+    """Two images, then a video with its sound and a sound, chained over two References nodes, through Text to
+    Video to a ref2va job on the real engine."""
+    images = torch.rand(2, 96, 80, 3)
+    sound = {"waveform": torch.rand(1, 2, 48000) * 0.2 - 0.1, "sample_rate": 48000}
+    clip = comfy.VideoFromComponents(comfy.VideoComponents(images=torch.rand(30, 64, 96, 3), audio=sound,
+                                                           frame_rate=Fraction(30)))
+    first = references_node(images=images)
+    chain = references_node(references=first, video=clip, audio=sound, image_size="match")
+    assert [item["kind"] for item in chain["items"]] == ["image", "image", "video", "audio"]
+    assert chain["image_size"] == "match" and chain["items"][2]["fps"] == 30.0
+    video, frames, audio, job = generate(settings, references=chain)
+    assert frames.shape[0] == 124 and audio["waveform"].shape[1] == 2 and len(job) == 32
+    assert any("encoding" in text and "(references)" in text for _, text in comfy.progress_texts)
+
+
+def test_references_name_the_limit():
+    with pytest.raises(ValueError, match="10 reference images given; MiniMax-H3 takes at most 9"):
+        references_node(images=torch.rand(10, 32, 32, 3))
+    with pytest.raises(ValueError, match="cannot take sound alone"):
+        references_node(audio={"waveform": torch.zeros(1, 1, 100), "sample_rate": 16000})
+
+
+def test_references_and_keyframes_together_are_refused(settings):
+    refs = references_node(images=torch.rand(1, 64, 64, 3))
+    with pytest.raises(ValueError, match="references or first_frame / last_frame, not both"):
+        generate(settings, references=refs, first_frame=torch.rand(1, 64, 64, 3))

@@ -49,7 +49,7 @@ def test_import_is_fast_and_light(tmp_path):
     assert loaded == [], f"pack import pulled in {loaded}"
     assert report["nodes"] == ["H3ForgeEngine", "H3ForgeExtendVideo", "H3ForgeLora", "H3ForgeMaskFeather", "H3ForgeMaskFrameRange",
                                "H3ForgeMaskGrow", "H3ForgeMaskPreview", "H3ForgeMaskTrackBox", "H3ForgeMaskedEdit",
-                               "H3ForgePreview", "H3ForgeTextToVideo", "H3ForgeUpscale"]
+                               "H3ForgePreview", "H3ForgeReferences", "H3ForgeTextToVideo", "H3ForgeUpscale"]
     assert (PACK / report["web"] / "h3forge.js").is_file()
 
 
@@ -59,7 +59,7 @@ def test_mappings_are_consistent():
     assert all(name.startswith("H3Forge") for name in pack.NODE_DISPLAY_NAME_MAPPINGS.values())
 
 
-@pytest.mark.parametrize("name", ["H3ForgeEngine", "H3ForgeTextToVideo", "H3ForgePreview"])
+@pytest.mark.parametrize("name", ["H3ForgeEngine", "H3ForgeTextToVideo", "H3ForgeReferences", "H3ForgePreview"])
 def test_node_definition_is_complete(name):
     cls = load_pack().NODE_CLASS_MAPPINGS[name]
     assert cls.CATEGORY == "H3Forge"

@@ -148,6 +148,20 @@ def test_unknown_source_job(engine):
     ("upscale", {"source_job": "a" * 32, "scale": 2, "model": "13b"}, {}, "3b, 7b"),
     ("upscale", {"source_job": "a" * 32, "scale": 2, "color_fix": "pink"}, {}, "wavelet, lab, none"),
     ("upscale", {"source_job": "a" * 32, "scale": 2, "prompt": "x"}, {}, "unknown parameter"),
+    ("ref2va", {"prompt": "x"}, {}, "'references' is required"),
+    ("ref2va", {"prompt": "x", "references": [{"kind": "image"}]}, {}, "send its tensor ref0_image"),
+    ("ref2va", {"prompt": "x", "references": [{"kind": "sticker"}]}, {}, "image, video, audio"),
+    ("ref2va", {"prompt": "x", "references": [{"kind": "image"}] * 10},
+     {f"ref{i}_image": np.zeros((32, 32, 3), np.uint8) for i in range(10)}, "10 reference images given"),
+    ("ref2va", {"prompt": "x", "references": [{"kind": "video"}] * 4},
+     {f"ref{i}_frames": np.zeros((20, 32, 32, 3), np.uint8) for i in range(4)}, "4 reference videos given"),
+    ("ref2va", {"prompt": "x", "references": [{"kind": "audio", "sample_rate": 32000}]},
+     {"ref0_audio": np.zeros((2, 99), np.float32)}, "cannot take sound alone"),
+    ("ref2va", {"prompt": "x", "references": [{"kind": "image"}]},
+     {"ref0_image": np.zeros((32, 32, 3), np.uint8), "ref0_audio": np.zeros((2, 9), np.float32)},
+     "belong to no reference"),
+    ("ref2va", {"prompt": "x", "references": [{"kind": "image"}], "ref_size": "huge"},
+     {"ref0_image": np.zeros((32, 32, 3), np.uint8)}, "diffusers, match, max"),
 ])
 def test_bad_requests_get_readable_errors(engine, task, params, tensors, words):
     """The client checks like the engine does; the raw submit proves the engine refuses it by itself too."""
@@ -194,3 +208,24 @@ def test_a_file_that_is_not_a_video(engine):
     with pytest.raises(EngineError) as err:
         run(engine.client().run("upscale", {"scale": 2}, {"source_mp4": np.frombuffer(b"not a video" * 9, np.uint8)}))
     assert err.value.code == "invalid_request" and "could not be decoded" in err.value.message
+
+
+def test_ref2va_over_the_wire_swaps_partitions_and_says_so(engine):
+    rng = np.random.default_rng(0)
+    params = {"prompt": "a red ball rolls, humming", "steps": STEPS, "seed": 2, "aspect": "1:1", "ref_size": "match",
+              "references": [{"kind": "image"}, {"kind": "video", "fps": 12.0, "sample_rate": 16000},
+                             {"kind": "audio", "sample_rate": SAMPLE_RATE}]}
+    tensors = {"ref0_image": rng.integers(0, 256, (90, 70, 3), dtype=np.uint8),
+               "ref1_frames": rng.integers(0, 256, (12, 48, 64, 3), dtype=np.uint8),
+               "ref1_audio": (rng.standard_normal((1, 16000)) * 0.1).astype(np.float32),
+               "ref2_audio": (rng.standard_normal((2, SAMPLE_RATE)) * 0.1).astype(np.float32)}
+    events = []
+    result = run(engine.client().run("ref2va", params, tensors, on_progress=events.append))
+    assert result.frames.shape == (FRAMES, SIDE, SIDE, 3) and result.audio.shape == (2, samples(FRAMES))
+    assert any(e.stage == "loading" and e.detail == "Ref2VA DiT" for e in events)
+    assert any(e.stage == "encoding" and e.detail == "references" and e.total == 3 for e in events)
+    again = run(engine.client().run("ref2va", params, tensors))
+    assert np.array_equal(result.frames, again.frames)
+    status = run(engine.client().status())
+    partitions = status["models"]["partitions"]
+    assert partitions["active"] == "ref2va" and partitions["last_swap"]["to"] == "ref2va"

@@ -14,6 +14,8 @@ WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_CONTROL = {"fixed", "increment", "decrement", "randomize"}
 
 UPLOADS = ("image_upload", "video_upload")
+# An audio upload stores two values after the file name, both null: its player ("audioUI") and its upload button.
+AUDIO_UPLOAD = "audio_upload"
 
 CORE_NODES = {
     "LoadImage": {
@@ -25,6 +27,11 @@ CORE_NODES = {
         "input": {"required": {"image": ("COMBO", {"image_upload": True}),
                                "channel": (["alpha", "red", "green", "blue"],)}},
         "output": ("MASK",),
+        "output_node": False,
+    },
+    "LoadAudio": {
+        "input": {"required": {"audio": ("COMBO", {AUDIO_UPLOAD: True})}},
+        "output": ("AUDIO",),
         "output_node": False,
     },
     "LoadVideo": {
@@ -69,6 +76,8 @@ def widgets(node_def: dict) -> list[tuple[str, object, dict]]:
                 out.append((f"{name}:control_after_generate", "CONTROL", {}))
             if any(options.get(kind) for kind in UPLOADS):
                 uploads.append((f"{name}:upload", "UPLOAD", {}))
+            if options.get(AUDIO_UPLOAD):
+                uploads += [(f"{name}:audioUI", "NULL", {}), (f"{name}:upload", "NULL", {})]
     return out + uploads
 
 
@@ -89,6 +98,8 @@ def check_value(name: str, kind, options: dict, value) -> str | None:
         return None if value in SEED_CONTROL else f"{name}: {value!r} is not one of {sorted(SEED_CONTROL)}"
     if kind == "UPLOAD":
         return None if value == "image" else f"{name}: upload widget value must be 'image', got {value!r}"
+    if kind == "NULL":
+        return None if value is None else f"{name}: this widget stores null, got {value!r}"
     if kind in ("STRING", "COMBO"):
         return None if isinstance(value, str) else f"{name}: expected a string, got {value!r}"
     if kind == "BOOLEAN":

@@ -293,3 +293,23 @@ def read_video(source, on_frames: Callable[[int, int], None] | None = None, ever
     if not frames:
         raise ValueError("the video stream holds no frames")
     return np.stack(frames), Fraction(fps), audio, sample_rate if audio is not None else None
+
+
+def read_audio(source) -> tuple[np.ndarray, int]:
+    """The first sound stream of a media file (WAV, FLAC, MP3, AAC, or a video's soundtrack): float32 [C, S] at
+    its own sample rate."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        source = io.BytesIO(source)
+    with av.open(source, mode="r") as container:
+        if not container.streams.audio:
+            raise ValueError("no sound stream in the file")
+        resampler = av.AudioResampler(format="fltp")
+        chunks, sample_rate = [], None
+        for frame in container.decode(container.streams.audio[0]):
+            for planar in resampler.resample(frame):
+                sample_rate = planar.sample_rate
+                chunks.append(planar.to_ndarray())
+        chunks.extend(planar.to_ndarray() for planar in resampler.resample(None))
+    if not chunks:
+        raise ValueError("the sound stream holds no samples")
+    return np.concatenate(chunks, axis=1).astype(np.float32, copy=False), int(sample_rate)

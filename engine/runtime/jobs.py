@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from engine.models.h3.layout import LayoutError
 from engine.models.h3.mask import MaskError
+from engine.models.h3.references import AudioReference, ImageReference, VideoReference
 from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, GenerateRequest, GenerateResult,
                                       RefineRequest, Source, StepEvent)
 from engine.models.phases import Phase, PhaseEvent
@@ -57,8 +58,8 @@ class ModelSource:
     models_dir: str | None = None
     attention: str | None = None  # force an attention backend (None: per device)
     vsa_sparsity: float = 0.0  # H3 video sparse attention; 0 = dense
-    # Comfy-Org single files, as (role, path) pairs: dit, text_encoder, video_vae, audio_vae, and tokenizer_dir
-    # (the tokenizer the files lack), each already resolved inside the model roots.
+    # Comfy-Org single files, as (role, path) pairs: dit, text_encoder, video_vae, audio_vae, optionally ref_dit (the
+    # Ref2VA DiT) and tokenizer_dir (the tokenizer the files lack), each already resolved inside the model roots.
     files: tuple[tuple[str, str], ...] = ()
     # More roots per ComfyUI folder, (folder, directory) pairs (`--model-path`); models_dir's subfolders come first.
     model_paths: tuple[tuple[str, str], ...] = ()
@@ -100,6 +101,7 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
     else:
         pipe = H3Pipeline.from_models(source.models_dir, device=ctx.device)
     set_precision(pipe.dit, source.dit_precision)
+    pipe.partitions.prepare = lambda dit: set_precision(dit, source.dit_precision)
     if ctx.world_size > 1:
         pipe.adaln_cache.group = ctx.control  # every rank agrees on a hit before using its tables
     attention.set_backend(source.attention)
@@ -168,7 +170,22 @@ def generate_request(spec: JobSpec) -> GenerateRequest:
     return GenerateRequest(
         prompt=p["prompt"], seconds=p.get("seconds", 5.0), width=p.get("width"), height=p.get("height"),
         aspect=p.get("aspect"), steps=p.get("steps"), seed=p.get("seed", 0),
-        first_frame=images.get("first_frame"), last_frame=images.get("last_frame"), loras=_loras(p))
+        first_frame=images.get("first_frame"), last_frame=images.get("last_frame"), loras=_loras(p),
+        references=wire_references(p.get("references", []), images), reference_size=p.get("ref_size", "diffusers"))
+
+
+def wire_references(entries: list[dict], tensors: dict) -> list:
+    """ref2va's `references` param and its ref{i}_* tensors (engine.protocol) -> reference objects, in order."""
+    out = []
+    for i, entry in enumerate(entries):
+        audio, rate = tensors.get(f"ref{i}_audio"), entry.get("sample_rate", DEFAULT_SAMPLE_RATE)
+        if entry["kind"] == "image":
+            out.append(ImageReference(tensors[f"ref{i}_image"]))
+        elif entry["kind"] == "video":
+            out.append(VideoReference(tensors[f"ref{i}_frames"], entry.get("fps", 24.0), audio, rate))
+        else:
+            out.append(AudioReference(audio, rate))
+    return out
 
 
 def job_source(spec: JobSpec, on_step=None) -> Source:
@@ -266,7 +283,7 @@ class JobRunner:
             return self.upscale(spec.params, job_source(spec, on_step), on_step)
         self.pipeline.encode_mp4 = spec.mp4 and self.ctx.rank == 0
         with speed_options(self.pipeline, spec.params, self.ctx.device), sequence_parallel(self.pipeline, self.ctx):
-            if spec.task in ("t2va", "fl2va"):
+            if spec.task in ("t2va", "fl2va", "ref2va"):
                 return self.pipeline.generate(generate_request(spec), on_step=on_step)
             source = job_source(spec, on_step)
             return getattr(self.pipeline, spec.task)(SOURCE_REQUESTS[spec.task](spec, source), on_step=on_step)

@@ -43,6 +43,9 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
         "--model-path of that folder), or absolute paths inside one of them")
     for flag, folder, what in FILE_ARGS:
         files.add_argument(flag, metavar="FILE", help=f"{what} ({folder}/)")
+    files.add_argument("--ref-dit", metavar="FILE",
+                       help="the Ref2VA DiT (diffusion_models/), loaded on the first ref2va job; default: the "
+                            "minimax_h3_ref2va_* file beside a --dit named *fl2va*, if there is one")
     files.add_argument("--tokenizer-dir", metavar="DIR", help="tokenizer the released text-encoder files lack: the "
                        "tokenizer/ of the MiniMax-H3 release, or ComfyUI's comfy/text_encoders/qwen25_tokenizer")
     files.add_argument("--model-path", metavar="FOLDER=DIR", action="append", default=[], type=_model_path,
@@ -105,6 +108,9 @@ def model_source(args: argparse.Namespace, **options):
 
     chosen = {flag: getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in FILE_ARGS}
     if not any(chosen.values()):
+        if args.ref_dit:
+            raise SystemExit("--ref-dit goes with the single files (--dit, --text-encoder, --video-vae, --audio-vae); "
+                             "a models folder brings its own Ref2VA/ (or transformer_ref/).")
         if args.tokenizer_dir:
             raise SystemExit("--tokenizer-dir goes with the single files (--dit, --text-encoder, --video-vae, "
                              "--audio-vae).")
@@ -125,6 +131,11 @@ def model_source(args: argparse.Namespace, **options):
                       for flag, folder, _ in FILE_ARGS)
     except ModelFileError as e:
         raise SystemExit(f"H3Forge engine: {e}") from None
+    if args.ref_dit:
+        try:
+            files += (("ref_dit", str(roots.resolve("diffusion_models", args.ref_dit))),)
+        except ModelFileError as e:
+            raise SystemExit(f"H3Forge engine: {e}") from None
     if args.tokenizer_dir:
         if not Path(args.tokenizer_dir).expanduser().is_dir():
             raise SystemExit(f"--tokenizer-dir {args.tokenizer_dir}: no such folder.")

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import numpy as np
 
 from engine.io.video import probe_video
 from engine.models.h3 import layout as L
 from engine.models.h3.pipeline import FULL_CANVAS, TINY_CANVAS, Canvas
+from engine.models.h3.references import check_references
 from engine.models.h3.request import Source
 from engine.models.seedvr2.pipeline import output_size
 from engine.protocol import Limits, ProtocolError
@@ -63,7 +65,12 @@ def _gb(n: float) -> str:
 def check_cost(task: str, params: dict, tensors: dict, stored: Source | None, limits: Limits,
                canvas: Canvas) -> None:
     """Raises ProtocolError ("too_large" / "invalid_request") when `task` would need more than `limits` allow."""
-    if task in ("t2va", "fl2va"):
+    if task in ("t2va", "fl2va", "ref2va"):
+        if task == "ref2va":
+            try:
+                check_references([SimpleNamespace(kind=r["kind"]) for r in params["references"]])
+            except L.LayoutError as exc:
+                _invalid(f"{task}: {exc}")
         frames = _frames(params.get("seconds", 5.0))[0]
         height, width = _generate_canvas(params, tensors, canvas, limits)
         _check_work(params, canvas, limits, frames, height, width, "this clip")

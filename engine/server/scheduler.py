@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.models.h3 import layout as L
+from engine.models.h3.partitions import partition_for
 from engine.models.h3.request import Cancelled, GenerateResult, StepEvent
 from engine.models.h3.vae import VIDEO_LATENT_RGB_BIAS, VIDEO_LATENT_RGB_FACTORS
 from engine.models.phases import PhaseEvent
@@ -34,6 +35,7 @@ from engine.server.preview import frame_jpeg, preview_jpeg
 from engine.server.store import FinishedJob, ResultStore
 
 PREVIEW_INTERVAL_S = 0.25  # at most 4 previews a second
+MAX_OVERTAKEN = 2  # a waiting job lets at most this many later jobs of the loaded DiT partition go first
 # Working memory of a t2va / fl2va job per output pixel (all frames): the decoded frames in float32 and uint8 plus
 # headroom for the VAE decoder. A cheap, generous estimate for --memory-cap-gb, not a measurement.
 WORKING_BYTES_PER_PIXEL = 16
@@ -54,6 +56,7 @@ class Job:
     state: str = "queued"  # -> "running"
     started_at: float | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    overtaken: int = 0  # later jobs run before this one (next_job)
     subscribers: dict[Subscriber, bool] = field(default_factory=dict)  # -> wants the MP4 with the result
     last_progress: tuple[dict, bytes | None] | None = None  # replayed to a client that attaches
 
@@ -178,6 +181,20 @@ def latent_voxels(video_latents: torch.Tensor) -> int:
     return video_latents[0, 0].numel()
 
 
+def next_job(queue: deque[Job], active: str | None) -> Job:
+    """The job to run next: the first one on the loaded DiT partition (no swap), unless that would overtake a job
+    already overtaken MAX_OVERTAKEN times; then the oldest. Removed from the queue."""
+    for i, job in enumerate(queue):
+        if partition_for(job.spec.task) in (None, active):
+            if all(earlier.overtaken < MAX_OVERTAKEN for earlier in list(queue)[:i]):
+                for earlier in list(queue)[:i]:
+                    earlier.overtaken += 1
+                del queue[i]
+                return job
+            break
+    return queue.popleft()
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
@@ -190,10 +207,10 @@ class OverMemoryCap(MemoryError):
 
 
 def check_memory_cap(spec: JobSpec, cap_bytes: int | None, pipeline) -> None:
-    """Raises OverMemoryCap before a t2va / fl2va job runs when its estimate (frames x canvas) is over the cap; a
-    canvas left to the aspect ratio counts as the model's largest."""
+    """Raises OverMemoryCap before a t2va / fl2va / ref2va job runs when its estimate (frames x canvas) is over the
+    cap; a canvas left to the aspect ratio counts as the model's largest."""
     p = spec.params
-    if cap_bytes is None or spec.task not in ("t2va", "fl2va"):
+    if cap_bytes is None or spec.task not in ("t2va", "fl2va", "ref2va"):
         return
     max_pixels = pipeline.canvas.max_pixels
     frames = L.align_num_frames(max(1, round(float(p.get("seconds", 5.0)) * L.FPS)))
@@ -336,7 +353,8 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            job = self.queue.popleft()
+            partitions = getattr(getattr(self.runner, "pipeline", None), "partitions", None)
+            job = next_job(self.queue, partitions.active if partitions else None)
             self.running, job.state, job.started_at = job, "running", time.time()
             self._announce_positions()
             await self._run(job, loop)

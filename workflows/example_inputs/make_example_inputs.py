@@ -10,12 +10,15 @@ a blue sky, humming" (the hum panned with the ball).
   workflow's sky_mask.png (drawn at half size) covers the sky.
 - first_frame.png / last_frame.png: its first and last frames (first/last-frame workflow).
 - clip.mp4: the same scene, 2 s at 112x64, half the embedded canvas (the SeedVR2 upscale workflow's input).
+- ref_ball.png / ref_box.png / ref_hum.wav: the reference-to-video workflow's two "characters" (the red ball and a
+  blue box, each alone on white at 768x768) and a sound reference (the red ball's hum, 3 s, 32 kHz stereo WAV).
 Everything is drawn from numbers here, so the files are the same on every run.
 """
 
 from __future__ import annotations
 
 import sys
+import wave
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
 from engine.io.video import encode_mp4_bytes  # noqa: E402
-from training.toy_scene import HORIZON, SAMPLE_RATE, Scene, ToyObject  # noqa: E402
+from training.toy_scene import HORIZON, PITCHES_HZ, SAMPLE_RATE, Scene, ToyObject  # noqa: E402
+from training.toy_sound import hum  # noqa: E402
 from training.toy_world import render  # noqa: E402
 
 WIDTH, HEIGHT, FPS, FRAMES = 1344, 768, 24, 124
@@ -67,6 +71,16 @@ def main(out: Path = HERE) -> None:
     mask_png((0, 0, WIDTH, round(HORIZON * HEIGHT)), scale=0.5).save(out / "sky_mask.png", optimize=True)
     clip = render(SCENE, 112, 64, num_frames=2 * FPS)
     (out / "clip.mp4").write_bytes(encode_mp4_bytes(clip.frames, FPS, clip.audio, SAMPLE_RATE, crf=18))
+    for name, thing in (("ref_ball.png", ToyObject("ball", "red", "large", "stays still", x=0.5, y=0.5)),
+                        ("ref_box.png", ToyObject("box", "blue", "large", "stays still", x=0.5, y=0.5))):
+        still = render(Scene((thing,), "white", humming=False, rain=False, seed=2), 768, 768, num_frames=1)
+        Image.fromarray(still.frames[0]).save(out / name, optimize=True)
+    sound = np.round(hum(PITCHES_HZ["red"], 3 * SAMPLE_RATE, SAMPLE_RATE) * 32767).astype("<i2")
+    with wave.open(str(out / "ref_hum.wav"), "wb") as f:
+        f.setnchannels(2)
+        f.setsampwidth(2)
+        f.setframerate(SAMPLE_RATE)
+        f.writeframes(np.repeat(sound[:, None], 2, axis=1).tobytes())
 
 
 if __name__ == "__main__":

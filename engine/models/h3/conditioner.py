@@ -2,7 +2,10 @@
 
 `Conditioner.encode` builds the presentation (t2va: the prompt alone; fl2va: `"<Picture i>: "` plus a vision block
 per keyframe, then the prompt), runs Qwen3-VL up to decoder layer `layer` and returns `hidden_states[layer]` (the
-unnormalised residual) with the per-token modality tags the DiT's AdaLN reads.
+unnormalised residual) with the per-token modality tags the DiT's AdaLN reads. `Conditioner.encode_references` does
+the same for ref2va: a label per reference in order, numbered per kind (`"<Picture i>: "` + a vision block;
+`"<Audio j>: "` alone; `"<Video k>: "` + a `"<t seconds>"` label and a vision block per merged pair of the frames read
+at 2 fps), then the prompt; it equals diffusers' `MiniMaxH3Ref2VATextEncoderStep`.
 
 Weights come from a models folder (`text_encoder/`, transformers layout) or from a Comfy-Org single file
 `qwen3vl_32b_minimax_h3_{bf16,int8_convrot,nvfp4_awq}.safetensors` (notes/h3_quantized_files.md §3, §5): flat
@@ -24,6 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoImageProcessor, AutoTokenizer, PreTrainedTokenizerFast, Qwen3VLConfig,
                           Qwen3VLForConditionalGeneration)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from safetensors import SafetensorError, safe_open
 from transformers.initialization import no_init_weights
 from transformers.utils import logging
@@ -31,19 +35,27 @@ from transformers.utils import logging
 from engine.models.h3.checkpoint import CheckpointError
 from engine.models.h3.model_files import read_header
 from engine.models.h3.config import TEXT_TAG, VIDEO_TAG
+from engine.models.h3.layout import FPS
+from engine.models.h3.video_processor import VIDEO_PROCESSOR_CLASS, video_processor_like
 from engine.quant import nvfp4
 from engine.quant.transform import QuantSpec, replace_linears
 
 REAL_LAYER = 50
 MAX_PROMPT_TOKENS = 2048
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+REFERENCE_SAMPLE_FPS = 2.0  # Qwen reads a 24 fps reference video at 2 fps: every 12th frame
+# Qwen-internal token types (Qwen3VLProcessor.create_mm_token_type_ids): they drive its per-modality rotary layout.
+MM_TEXT, MM_IMAGE, MM_VIDEO = 0, 1, 2
 
 
 class Conditioner:
-    """Qwen3-VL truncated to its first `layer` decoder layers; the LM head is dropped (never used)."""
+    """Qwen3-VL truncated to its first `layer` decoder layers; the LM head is dropped (never used).
+
+    `video_processor` (Qwen3-VL's, for ref2va reference videos) defaults to one of the image processor's geometry
+    with Qwen3-VL's video pixel budget (`video_processor_like`)."""
 
     def __init__(self, model: Qwen3VLForConditionalGeneration, tokenizer, image_processor, layer: int = REAL_LAYER,
-                 max_prompt_tokens: int = MAX_PROMPT_TOKENS):
+                 max_prompt_tokens: int = MAX_PROMPT_TOKENS, video_processor=None):
         lm = model.model.language_model
         if len(lm.layers) < layer:
             raise ValueError(f"The conditioner needs at least {layer} decoder layers, the model has {len(lm.layers)}.")
@@ -56,12 +68,16 @@ class Conditioner:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.image_processor = image_processor
+        self.video_processor = video_processor_like(image_processor) if video_processor is None else video_processor
+        if getattr(self.video_processor, "cap_pixels_per_frame", False) is None:
+            # Unset, transformers warns and reads it as False (uncapped), which is what diffusers runs today.
+            self.video_processor.cap_pixels_per_frame = False
         self.layer = layer
         self.max_prompt_tokens = max_prompt_tokens
-        self.vision_start, self.vision_end, self.image_pad = (
-            tokenizer.convert_tokens_to_ids(t) for t in (VISION_START, VISION_END, IMAGE_PAD))
+        self.vision_start, self.vision_end, self.image_pad, self.video_pad = (
+            tokenizer.convert_tokens_to_ids(t) for t in (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD))
         expected = {"vision_start_token_id": self.vision_start, "vision_end_token_id": self.vision_end,
-                    "image_token_id": self.image_pad}
+                    "image_token_id": self.image_pad, "video_token_id": self.video_pad}
         for name, token_id in expected.items():
             if getattr(model.config, name) != token_id:
                 raise ValueError(f"Tokenizer and model disagree on {name}: {token_id} vs "
@@ -97,7 +113,8 @@ class Conditioner:
         model.to(device)  # a device_map would load straight to the GPU but needs accelerate
         tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer", local_files_only=True)
         image_processor = AutoImageProcessor.from_pretrained(directory / "processor", local_files_only=True)
-        return cls(model, tokenizer, image_processor, layer, max_prompt_tokens)
+        video_processor = load_video_processor(directory / "processor", image_processor)
+        return cls(model, tokenizer, image_processor, layer, max_prompt_tokens, video_processor)
 
     @classmethod
     def from_single_file(cls, path: str | Path, tokenizer_dir: str | Path | None = None,
@@ -110,6 +127,7 @@ class Conditioner:
         if tiny:
             config, layer = tiny_qwen3vl_config(*tiny), tiny[1] if layer is None else layer
             tokenizer, image_processor = build_tiny_tokenizer(), build_tiny_image_processor()
+            video_processor = build_tiny_video_processor()
         else:
             layer = REAL_LAYER if layer is None else layer
             config = config or qwen3vl_32b_config(layer)
@@ -119,8 +137,9 @@ class Conditioner:
                     "(--tokenizer-dir: the tokenizer/ of the MiniMax-H3 release, or ComfyUI's "
                     "comfy/text_encoders/qwen25_tokenizer).")
             tokenizer, image_processor = load_tokenizer(tokenizer_dir), load_image_processor(tokenizer_dir)
+            video_processor = load_video_processor(tokenizer_dir)
         model = load_text_encoder_file(path, config, dtype, device)
-        return cls(model, tokenizer, image_processor, layer, max_prompt_tokens)
+        return cls(model, tokenizer, image_processor, layer, max_prompt_tokens, video_processor)
 
     @property
     def hidden_size(self) -> int:
@@ -145,44 +164,163 @@ class Conditioner:
         if len(images) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(images)} keyframe lists")
         for i, image in enumerate((image for group in images for image in group), 1):
-            if not (isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3
-                    and image.shape[2] == 3):
-                got = f"{image.dtype} {image.shape}" if isinstance(image, np.ndarray) else type(image).__name__
-                raise ValueError(f"Keyframe {i} must be an RGB uint8 image [H, W, 3], got {got}.")
-        device = self.model.device
-        pictures = [image for group in images for image in group]
-        vision, grids = {}, iter(())
-        if pictures:
-            vision = self.image_processor(images=pictures, return_tensors="pt")
-            grids = iter(vision["image_grid_thw"])
-            vision = {"pixel_values": vision["pixel_values"].to(device, self.model.dtype),
-                      "image_grid_thw": vision["image_grid_thw"].to(device)}
+            _check_pixels(image, 3, f"Keyframe {i}", "an RGB uint8 image [H, W, 3]")
+        vision, grids = self._image_features([image for group in images for image in group])
+        grids = iter(grids)
         rows = [self._rows(prompt, [next(grids) for _ in group]) for prompt, group in zip(prompts, images)]
         if any(tags != rows[0][1] for _, tags in rows):
             raise ValueError("encode_batch needs prompts of one token layout")
-        input_ids = torch.tensor([ids for ids, _ in rows], device=device)
-        # Qwen-internal token types (1 = image pad) drive its multimodal rotary layout.
-        mm_token_type_ids = (input_ids == self.image_pad).long()
+        return self._forward([ids for ids, _ in rows], rows[0][1], vision)
+
+    @torch.no_grad()
+    def encode_references(self, prompt: str, references: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        """ref2va: (hidden [1, Nt, hidden] in the model dtype on its device, tags [Nt] long on CPU), as `encode`.
+
+        `references` in request order, each with `.kind` ("image": `.image` uint8 [H, W, 3]; "video": `.frames`
+        uint8 [F, H, W, 3] at 24 fps; "audio") and `.has_audio`, already normalised (engine/models/h3/references.py).
+        Sounds add only their `"<Audio j>: "` label; images and videos go through Qwen's vision tower, batched per
+        kind as diffusers batches them (Qwen fills the n-th pad run of a kind with the n-th item of its batch).
+        """
+        ids, tags, vision = self.ref2va_presentation(prompt, references)
+        return self._forward([ids], tags, vision)
+
+    def ref2va_presentation(self, prompt: str, references: Sequence) -> tuple[list[int], list[int], dict]:
+        """The ref2va presentation of `encode_references`: token ids, row tags and the vision inputs (CPU tensors
+        by Qwen's parameter names: pixel_values / image_grid_thw, pixel_values_videos / video_grid_thw)."""
+        references = list(references)
+        prompt_ids = self._prompt_ids(prompt)
+        images, videos = [], []
+        for i, ref in enumerate(references, 1):
+            if ref.kind == "image":
+                images.append(_check_pixels(ref.image, 3, f"Reference {i} (an image)", "an RGB uint8 image "
+                                            "[H, W, 3]"))
+            elif ref.kind == "video":
+                if getattr(ref, "fps", FPS) != FPS:
+                    raise ValueError(f"Reference {i} (a video) is at {ref.fps:g} fps; the conditioner takes "
+                                     f"reference videos normalised to {FPS} fps.")
+                videos.append(self._sample_reference_frames(
+                    _check_pixels(ref.frames, 4, f"Reference {i} (a video)", "RGB uint8 frames [F, H, W, 3]"), i))
+            elif ref.kind != "audio":
+                raise ValueError(f"Reference {i} is a {ref.kind!r}; references are images, videos or sounds.")
+        vision, image_grids = self._image_features(images)
+        video_blocks = []
+        if videos:
+            features = self.video_processor(videos=[frames for frames, _ in videos], do_sample_frames=False,
+                                            return_tensors="pt")
+            merge = self.video_processor.merge_size ** 2
+            for (_, timestamps), grid in zip(videos, features["video_grid_thw"]):
+                if int(grid[0]) != len(timestamps):
+                    raise ValueError(f"The video processor merged a reference video into {int(grid[0])} vision "
+                                     f"blocks, but the presentation labels {len(timestamps)}.")
+                video_blocks.append((int(grid[1]) * int(grid[2]) // merge, timestamps))
+            vision |= {"pixel_values_videos": features["pixel_values_videos"],
+                       "video_grid_thw": features["video_grid_thw"]}
+
+        ids, tags = [], []
+        counts = {"image": 0, "video": 0, "audio": 0}
+        image_grids, video_blocks = iter(image_grids), iter(video_blocks)
+        for ref in references:
+            if ref.has_audio:
+                counts["audio"] += 1
+                self._label(ids, tags, f"<Audio {counts['audio']}>: ")
+            if ref.kind == "image":
+                counts["image"] += 1
+                self._picture(ids, tags, counts["image"], next(image_grids))
+            elif ref.kind == "video":
+                counts["video"] += 1
+                self._label(ids, tags, f"<Video {counts['video']}>: ")
+                tokens, timestamps = next(video_blocks)
+                for timestamp in timestamps:
+                    # "{:.1f}" rounds half to even: the first block of a 2 fps pair (0.25 s) reads "<0.2 seconds>".
+                    self._label(ids, tags, f"<{timestamp:.1f} seconds>")
+                    self._vision_block(ids, tags, self.video_pad, tokens)
+        return ids + prompt_ids, tags + [TEXT_TAG] * len(prompt_ids), vision
+
+    def _sample_reference_frames(self, frames: np.ndarray, index: int) -> tuple[np.ndarray, list[float]]:
+        """The frames Qwen reads of a 24 fps reference video (every 12th, i.e. 2 fps) and the timestamp of each
+        vision block: the sampled frames merge in pairs (the last repeated to pair up), a block is labelled with
+        the mean of its two frames' times (diffusers' `_sample_video_condition_frames`)."""
+        stride, merge_t = FPS / REFERENCE_SAMPLE_FPS, self.video_processor.temporal_patch_size
+        indices, cursor = [], 0.0
+        while round(cursor) < len(frames):
+            if not indices or round(cursor) > indices[-1]:
+                indices.append(round(cursor))
+            cursor += stride
+        if len(indices) < merge_t:
+            minimum = round((merge_t - 1) * stride) + 1
+            raise ValueError(
+                f"Reference {index} (a video) is {len(frames)} frame{'s' if len(frames) != 1 else ''} long "
+                f"({len(frames) / FPS:.2f} s at {FPS} fps): too short. The text encoder reads reference videos at "
+                f"{REFERENCE_SAMPLE_FPS:g} fps, {merge_t} frames at a time, so a reference video needs at least "
+                f"{minimum} frames ({minimum / FPS:.2f} s). Use a longer clip, or give a still as an image reference.")
+        times = [i / REFERENCE_SAMPLE_FPS for i in range(len(indices))]
+        times += [times[-1]] * (-len(times) % merge_t)
+        blocks = [(times[i] + times[i + merge_t - 1]) / 2 for i in range(0, len(times), merge_t)]
+        return frames[indices], blocks
+
+    def _image_features(self, images: list[np.ndarray]) -> tuple[dict, list[torch.Tensor]]:
+        """The vision inputs of images (keyframes or image references) in one image-processor call, and their
+        image_grid_thw rows."""
+        if not images:
+            return {}, []
+        features = self.image_processor(images=images, return_tensors="pt")
+        return ({"pixel_values": features["pixel_values"], "image_grid_thw": features["image_grid_thw"]},
+                list(features["image_grid_thw"]))
+
+    def _forward(self, rows: list[list[int]], tags: list[int], vision: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states[layer] of token rows of one layout (`tags`) with their vision inputs."""
+        device = self.model.device
+        vision = {k: v.to(device, self.model.dtype) if k.startswith("pixel_") else v.to(device)
+                  for k, v in vision.items()}
+        input_ids = torch.tensor(rows, device=device)
+        # Qwen-internal token types (as Qwen3VLProcessor.create_mm_token_type_ids builds them) drive its
+        # multimodal rotary layout; vision start / end are text there.
+        mm_token_type_ids = torch.full_like(input_ids, MM_TEXT)
+        mm_token_type_ids[input_ids == self.image_pad] = MM_IMAGE
+        mm_token_type_ids[input_ids == self.video_pad] = MM_VIDEO
         out = self.model.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                mm_token_type_ids=mm_token_type_ids, use_cache=False,
                                output_hidden_states=self.layer, **vision)
-        return out.hidden_states[self.layer], torch.tensor(rows[0][1], dtype=torch.long)
+        return out.hidden_states[self.layer], torch.tensor(tags, dtype=torch.long)
 
-    def _rows(self, prompt: str, grids: list[torch.Tensor]) -> tuple[list[int], list[int]]:
-        """Token ids and row tags of one prompt after its keyframes' blocks (`grids`: their image_grid_thw)."""
+    def _prompt_ids(self, prompt: str) -> list[int]:
         if not prompt or not prompt.strip():
             raise ValueError("The prompt is empty: describe the video and its sound.")
         prompt_ids = self._text(prompt)
         if len(prompt_ids) > self.max_prompt_tokens:
             raise ValueError(f"The prompt is {len(prompt_ids)} tokens long; the text conditioner takes at most "
                              f"{self.max_prompt_tokens}. Shorten the prompt.")
-        ids, tags, merge = [], [], self.image_processor.merge_size ** 2
+        return prompt_ids
+
+    def _label(self, ids: list[int], tags: list[int], text: str) -> None:
+        label = self._text(text)
+        ids += label
+        tags += [TEXT_TAG] * len(label)
+
+    def _vision_block(self, ids: list[int], tags: list[int], pad: int, tokens: int) -> None:
+        ids += [self.vision_start] + [pad] * tokens + [self.vision_end]
+        tags += [VIDEO_TAG] * (tokens + 2)
+
+    def _picture(self, ids: list[int], tags: list[int], ordinal: int, grid: torch.Tensor) -> None:
+        """`"<Picture i>: "` and the vision block of an image of this image_grid_thw."""
+        self._label(ids, tags, f"<Picture {ordinal}>: ")
+        self._vision_block(ids, tags, self.image_pad, int(grid.prod()) // self.image_processor.merge_size ** 2)
+
+    def _rows(self, prompt: str, grids: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+        """Token ids and row tags of one prompt after its keyframes' blocks (`grids`: their image_grid_thw)."""
+        prompt_ids = self._prompt_ids(prompt)
+        ids, tags = [], []
         for i, grid in enumerate(grids, 1):
-            label = self._text(f"<Picture {i}>: ")
-            block = [self.vision_start] + [self.image_pad] * (int(grid.prod()) // merge) + [self.vision_end]
-            ids += label + block
-            tags += [TEXT_TAG] * len(label) + [VIDEO_TAG] * len(block)
+            self._picture(ids, tags, i, grid)
         return ids + prompt_ids, tags + [TEXT_TAG] * len(prompt_ids)
+
+
+def _check_pixels(pixels, ndim: int, what: str, want: str) -> np.ndarray:
+    if not (isinstance(pixels, np.ndarray) and pixels.dtype == np.uint8 and pixels.ndim == ndim
+            and pixels.shape[-1] == 3 and pixels.size):
+        got = f"{pixels.dtype} {list(pixels.shape)}" if isinstance(pixels, np.ndarray) else type(pixels).__name__
+        raise ValueError(f"{what} must be {want}, got {got}.")
+    return pixels
 
 
 # ---------------------------------------------------------------------------------------------- Comfy single files
@@ -222,6 +360,20 @@ def load_image_processor(directory: str | Path):
             return AutoImageProcessor.from_pretrained(folder, local_files_only=True)
     return Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
                                     image_std=[0.5] * 3, size={"shortest_edge": 65536, "longest_edge": 16777216})
+
+
+def load_video_processor(directory: str | Path, image_processor=None):
+    """The video processor of `processor/` of a models folder, or of a folder's own configs, read as transformers
+    reads it for diffusers' `Qwen3VLProcessor`: the nested `processor_config.json` entry, else
+    `video_preprocessor_config.json`, else `preprocessor_config.json` (the image processor's). Without any: Qwen3-VL's
+    (specs/h3.md §4), of `image_processor`'s geometry (default: `load_image_processor`'s)."""
+    directory = Path(directory)
+    for folder in (directory / "processor", directory):
+        nested = folder / "processor_config.json"
+        if ((folder / "video_preprocessor_config.json").is_file() or (folder / "preprocessor_config.json").is_file()
+                or (nested.is_file() and "video_processor" in json.loads(nested.read_text()))):
+            return VIDEO_PROCESSOR_CLASS.from_pretrained(folder, local_files_only=True)
+    return video_processor_like(image_processor or load_image_processor(directory))
 
 
 def qwen3vl_32b_config(layers: int = REAL_LAYER) -> Qwen3VLConfig:
@@ -382,6 +534,15 @@ def build_tiny_image_processor() -> Qwen2VLImageProcessorPil:
                                     image_std=[0.5] * 3, size={"shortest_edge": 32 * 32, "longest_edge": 96 * 96})
 
 
+def build_tiny_video_processor() -> Qwen3VLVideoProcessor:
+    """The tiny image processor's geometry, with a tiny pixel budget over a whole clip: two 128x224 frames become
+    96x160 pixels = 15 vision tokens per merged pair, four become 64x96 = 6."""
+    processor = video_processor_like(build_tiny_image_processor(),
+                                     size={"shortest_edge": 32 * 32, "longest_edge": 4 * 96 * 96})
+    processor.cap_pixels_per_frame = False  # transformers' default today, stated (unset it warns)
+    return processor
+
+
 def tiny_qwen3vl_config(hidden_size: int = 32, layers: int = TINY_LAYERS) -> Qwen3VLConfig:
     """The embedded default's Qwen3-VL: the byte-level vocabulary, 3 layers, a 2-block vision tower."""
     ids = {t: 256 + i for i, t in enumerate(TINY_SPECIALS)}
@@ -418,4 +579,4 @@ def build_tiny_qwen3vl(seed: int = 0, hidden_size: int = 32) -> Qwen3VLForCondit
 
 def build_tiny_conditioner(seed: int = 0, hidden_size: int = 32) -> Conditioner:
     return Conditioner(build_tiny_qwen3vl(seed, hidden_size), build_tiny_tokenizer(), build_tiny_image_processor(),
-                       layer=TINY_LAYER)
+                       layer=TINY_LAYER, video_processor=build_tiny_video_processor())

@@ -1,12 +1,14 @@
-"""Packed-sequence layout for t2va and fl2va (specs/h3.md §1.4, §2.2, §5.3, §5.5).
+"""Packed-sequence layout for t2va, fl2va and ref2va (specs/h3.md §1.4, §2.2, §2.3, §5.3, §5.5).
 
-Rows are `[text | keyframe condition rows | target audio (channel-major) | target video]`. Positions are
+Rows are `[text | keyframe condition rows | target audio (channel-major) | target video]`, for ref2va
+`[text | reference blocks | target audio | target video]`. Positions are
 float64 (t, h, w) rotary coordinates; one rotary time unit is 1/40 s (24 fps x 5/3 = the audio latent rate).
 Also the canvas and frame-count rules, with the messages an artist sees when a request breaks them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,6 +211,85 @@ def build_layout(text_tags: torch.Tensor, num_latent_frames: int, latent_height:
     tags[audio_indices] = AUDIO_TAG
     tags[video_indices] = VIDEO_TAG
     return PackedLayout(pos, tags, video_indices, audio_indices, text_indices, n_cond, n_guide_audio,
+                        num_latent_frames, latent_height, latent_width, num_audio_latents)
+
+
+@dataclass(frozen=True)
+class ReferenceBlock:
+    """One reference's rows in a ref2va layout, in packed order."""
+    kind: str  # "image" | "video" | "audio"
+    latent_frames: int = 0  # image: 1; video: its 5n+2 latent frames; audio: 0
+    latent_height: int = 0  # its own latent grid (image and video references have their own resolution)
+    latent_width: int = 0
+    audio_latents: int = 0  # standalone audio, or a video's own soundtrack: latents per channel (0 = silent video)
+
+    def __post_init__(self):
+        if self.kind == "audio":
+            if self.audio_latents < 1 or self.latent_frames:
+                raise ValueError(f"An audio reference needs audio latents and no video frames, got {self}.")
+            return
+        if self.kind not in ("image", "video"):
+            raise ValueError(f"A reference must be 'image', 'video' or 'audio', got {self.kind!r}.")
+        if self.latent_height < 1 or self.latent_width < 1:
+            raise ValueError(f"An {self.kind} reference needs a positive latent grid, got {self}.")
+        if self.kind == "image" and (self.latent_frames != 1 or self.audio_latents):
+            raise ValueError(f"An image reference is one latent frame without audio, got {self}.")
+        if self.kind == "video" and (self.latent_frames < 2 or (self.latent_frames - 2) % LATENTS_PER_CHUNK
+                                     or self.audio_latents < 0):
+            raise ValueError(f"A video reference needs 5n + 2 latent frames (17n + 5 frames), got {self}.")
+
+    def clock_advance(self) -> float:
+        if self.kind == "image":
+            return 1.0  # one integer rotary slot, not a latent frame's 5/3 units
+        if self.kind == "audio":
+            return float(self.audio_latents)
+        # Python's builtin sum, exactly as diffusers sums this span (sequential up to 3.11, compensated from 3.12):
+        # it differs in the last ulp from numpy's pairwise sum (last_keyframe_time) past 16 latent frames.
+        span = sum(FRAME_RESCALE * FRAMES_PER_LATENT[i % 5] for i in range(self.latent_frames))
+        return max(float(self.audio_latents), span)
+
+
+def build_ref2va_layout(text_tags: torch.Tensor, blocks: Sequence[ReferenceBlock], num_latent_frames: int,
+                        latent_height: int, latent_width: int, num_audio_latents: int,
+                        patch: tuple[int, int] = (2, 2)) -> PackedLayout:
+    """The ref2va layout: `[text | reference blocks in order | target audio | target video]` (§2.3).
+
+    Each block starts at the shared clock (from L) and advances it. A video's soundtrack rows come right before its
+    frames, pinned to the video's own width extremes; a standalone audio is pinned to the target's.
+    """
+    L = text_tags.shape[0]
+    text_pos = torch.zeros(L, 3, dtype=torch.float64)
+    text_pos[:, 0] = torch.arange(L, dtype=torch.float64)
+    pieces, video, audio = [text_pos], [], []
+    cursor, clock = L, float(L)
+    target_grid, target_wgrid = frame_grid(latent_height, latent_width, patch)
+
+    def place(audio_latents, frames, grid, wgrid):
+        nonlocal cursor
+        audio_pos = torch.zeros(AUDIO_CHANNELS * audio_latents, 3, dtype=torch.float64)
+        _fill_audio(audio_pos, clock, audio_latents, wgrid)
+        video_pos = _video_positions(frame_times(frames, clock), grid)
+        for rows, indices in ((audio_pos, audio), (video_pos, video)):
+            pieces.append(rows)
+            indices.append(torch.arange(cursor, cursor + rows.shape[0]))
+            cursor += rows.shape[0]
+
+    for block in blocks:
+        if block.kind == "audio":
+            place(block.audio_latents, 0, target_grid, target_wgrid)
+        else:
+            place(block.audio_latents, block.latent_frames, *frame_grid(block.latent_height, block.latent_width, patch))
+        clock += block.clock_advance()
+    n_cond_video, n_cond_audio = sum(map(len, video)), sum(map(len, audio))
+    place(num_audio_latents, num_latent_frames, target_grid, target_wgrid)
+
+    pos = torch.cat(pieces)
+    video_indices, audio_indices, text_indices = torch.cat(video), torch.cat(audio), torch.arange(L)
+    tags = torch.empty(pos.shape[0], dtype=torch.long)
+    tags[text_indices] = text_tags.long()
+    tags[audio_indices] = AUDIO_TAG
+    tags[video_indices] = VIDEO_TAG
+    return PackedLayout(pos, tags, video_indices, audio_indices, text_indices, n_cond_video, n_cond_audio,
                         num_latent_frames, latent_height, latent_width, num_audio_latents)
 
 

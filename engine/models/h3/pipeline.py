@@ -34,6 +34,8 @@ from engine.models.h3.config import TINY, H3Config
 from engine.models.h3.denoise import Target, denoise
 from engine.models.h3.dit import H3DiT, build_dit
 from engine.models.h3.lora import load_lora, merge_lora, unmerge_lora
+from engine.models.h3.partitions import PARTITIONS, Partitions
+from engine.models.h3.references import REFERENCE_SHORT_EDGE, check_image
 from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, GenerateRequest, GenerateResult,
                                       RefineRequest, StepEvent)
 from engine.models.h3.vae import AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae
@@ -49,10 +51,19 @@ class Canvas:
     short_edge: int = L.SHORT_EDGE
     max_pixels: int = L.MAX_PIXELS
     default_steps: int = 50
+    reference_short_edge: int = REFERENCE_SHORT_EDGE  # ref2va image references ("diffusers" / "max" modes)
+
+    @property
+    def max_rows(self) -> int:
+        """The longest packed sequence a request may build: twice a 15 s clip's at the full canvas (what the
+        engine's memory plan is sized for; only references can pass it)."""
+        frames = L.frames_for_seconds(L.MAX_SECONDS)[0]
+        rows = L.latent_frames(frames) * self.max_pixels // L.CANVAS_MULTIPLE ** 2
+        return 2 * (rows + L.AUDIO_CHANNELS * L.audio_latents(frames))
 
 
 FULL_CANVAS = Canvas()
-TINY_CANVAS = Canvas(short_edge=128, max_pixels=128 * 224, default_steps=8)
+TINY_CANVAS = Canvas(short_edge=128, max_pixels=128 * 224, default_steps=8, reference_short_edge=256)
 # The trained embedded default ("toy" preset, training/train.py): Comfy-Org single files in engine/weights/toy.
 TOY_FILES = {"dit": "minimax_h3_fl2va_toy_bf16.safetensors", "text_encoder": "qwen3vl_toy_bf16.safetensors",
              "video_vae": "minimax_h3_toy_video_vae_fp16.safetensors",
@@ -81,21 +92,13 @@ def fit_cover(image: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.asarray(resized.crop((left, top, left + width, top + height)))
 
 
-def check_image(name: str, image: np.ndarray) -> np.ndarray:
-    image = np.asarray(image)
-    if image.ndim == 2:
-        image = np.repeat(image[..., None], 3, axis=-1)
-    if image.ndim != 3 or image.shape[-1] not in (3, 4) or image.dtype != np.uint8:
-        raise L.LayoutError(f"The {name} must be an RGB image (uint8 H x W x 3), got {image.dtype} {image.shape}.")
-    if min(image.shape[:2]) < 16:
-        raise L.LayoutError(f"The {name} is too small ({image.shape[1]}x{image.shape[0]}); use at least 16x16.")
-    return np.ascontiguousarray(image[..., :3])
-
-
 class H3Pipeline:
     def __init__(self, dit: H3DiT, video_vae: VideoVAE, audio_vae: AudioVAE, conditioner: Conditioner,
-                 canvas: Canvas, device: torch.device, name: str, lora_roots: Sequence[str | Path] = ()):
+                 canvas: Canvas, device: torch.device, name: str, lora_roots: Sequence[str | Path] = (),
+                 ref2va: Callable[[], H3DiT] | None = None):
+        """`dit` is the FL2VA partition's; `ref2va` loads the Ref2VA partition's on the first ref2va job."""
         self.dit, self.video_vae, self.audio_vae, self.conditioner = dit, video_vae, audio_vae, conditioner
+        self.partitions = Partitions("fl2va", device, {"ref2va": ref2va} if ref2va else {})
         self.canvas, self.device, self.name = canvas, device, name
         self.lora_roots = tuple(Path(r) for r in lora_roots)  # LoRA files must lie inside one (none: any path)
         self.adaln_cache: AdaLNCache | None = AdaLNCache()  # None: every step computes its AdaLN tables
@@ -113,9 +116,10 @@ class H3Pipeline:
             from engine.models import TOY_WEIGHTS
 
             device = torch.device(device)
+            # One DiT file serves both partitions until the toy training mix holds the references layout.
             pipe = cls.from_files(*(TOY_WEIGHTS / name for name in TOY_FILES.values()), device=device,
                                   dtype=torch.float32 if device.type == "cpu" else torch.bfloat16,
-                                  lora_roots=lora_roots)
+                                  lora_roots=lora_roots, ref_dit=TOY_WEIGHTS / TOY_FILES["dit"])
             pipe.name = "toy"
             return pipe
         if preset != "tiny":
@@ -126,31 +130,35 @@ class H3Pipeline:
         dit = build_dit(config, seed=seed, device=device)
         return cls(dit, build_tiny_video_vae(seed).to(device), build_tiny_audio_vae(seed).to(device),
                    build_tiny_conditioner(seed, hidden_size=config.text_dim).to(device), TINY_CANVAS, device,
-                   "tiny", lora_roots)
+                   "tiny", lora_roots, ref2va=lambda: build_dit(config, seed=seed + 1, device=device))
 
     @classmethod
     def from_models(cls, models_dir: str | Path, device: str | torch.device = "cuda",
                     dtype: torch.dtype = torch.bfloat16) -> "H3Pipeline":
-        """Real weights: diffusers layout (transformer/, vae/, audio_vae/, text_encoder/) or the original
-        MiniMax folder layout (transformer/, video_vae/, audio_vae/, text_encoder/)."""
+        """Real weights: diffusers layout (transformer/, vae/, audio_vae/, text_encoder/; Ref2VA in transformer_ref/)
+        or the original MiniMax folder layout (FL2VA/ with transformer/, video_vae/, audio_vae/, text_encoder/;
+        Ref2VA/transformer/). The Ref2VA DiT loads on the first ref2va job."""
         root, device = Path(models_dir), torch.device(device)
+        ref = next((d for d in (root / "Ref2VA" / "transformer", root / "transformer_ref") if d.is_dir()), None)
         root = root / "FL2VA" if (root / "FL2VA").is_dir() else root
         dit = load_dit(root / "transformer", dtype=dtype, device=device)
         video_dir = root / "vae" if (root / "vae").is_dir() else root / "video_vae"
         return cls(dit, VideoVAE.from_pretrained(video_dir).to(device),
                    AudioVAE.from_pretrained(root / "audio_vae").to(device),
                    Conditioner.from_pretrained(root, dtype=dtype, device=device), FULL_CANVAS, device,
-                   str(root), (Path(models_dir),))
+                   str(root), (Path(models_dir),),
+                   ref2va=(lambda: load_dit(ref, dtype=dtype, device=device)) if ref else None)
 
     @classmethod
     def from_files(cls, dit: str | Path, text_encoder: str | Path, video_vae: str | Path, audio_vae: str | Path,
                    tokenizer_dir: str | Path | None = None, device: str | torch.device = "cuda",
                    dtype: torch.dtype = torch.bfloat16, lora_roots: Sequence[str | Path] = (),
-                   configs: dict | None = None) -> "H3Pipeline":
+                   configs: dict | None = None, ref_dit: str | Path | None = None) -> "H3Pipeline":
         """Comfy-Org single files (any DiT format, any text-encoder format, the two VAEs). The text encoder's header
         tells the architecture of the set: the released one (tokenizer from `tokenizer_dir`, which the files lack)
         or the embedded default's (tokenizer built in, its small canvas). `configs` may override the architectures
-        ("text_encoder", "layer", "video_vae", "audio_vae", "canvas")."""
+        ("text_encoder", "layer", "video_vae", "audio_vae", "canvas"). `ref_dit`: the Ref2VA partition's DiT file,
+        loaded on the first ref2va job (default: the `minimax_h3_ref2va_*` file beside a `*fl2va*` DiT, if any)."""
         from engine.models.h3.conditioner import tiny_text_encoder_shape
         from engine.models.h3.model_files import describe_file
         from engine.models.h3.vae import (TINY_AUDIO_VAE, TINY_VIDEO_VAE, audio_vae_file_config, load_audio_vae_file,
@@ -162,10 +170,14 @@ class H3Pipeline:
             configs = {"video_vae": dict(TINY_VIDEO_VAE), "audio_vae": audio, "canvas": TINY_CANVAS, **configs}
         conditioner = Conditioner.from_single_file(text_encoder, tokenizer_dir, configs.get("text_encoder"),
                                                    dtype=dtype, device=device, layer=configs.get("layer"))
+        if ref_dit is None and "fl2va" in Path(dit).name:
+            sibling = Path(dit).with_name(Path(dit).name.replace("fl2va", "ref2va"))
+            ref_dit = sibling if sibling.is_file() else None
         pipe = cls(load_dit(dit, dtype=dtype, device=device),
                    load_video_vae_file(video_vae, configs.get("video_vae")).to(device),
                    load_audio_vae_file(audio_vae, configs.get("audio_vae")).to(device), conditioner,
-                   configs.get("canvas", FULL_CANVAS), device, Path(dit).name, lora_roots)
+                   configs.get("canvas", FULL_CANVAS), device, Path(dit).name, lora_roots,
+                   ref2va=(lambda: load_dit(ref_dit, dtype=dtype, device=device)) if ref_dit else None)
         pipe.files = {role: describe_file(path) for role, path in (
             ("dit", dit), ("text_encoder", text_encoder), ("video_vae", video_vae), ("audio_vae", audio_vae))}
         return pipe
@@ -182,6 +194,7 @@ class H3Pipeline:
                 "canvas": {"short_edge": self.canvas.short_edge, "max_pixels": self.canvas.max_pixels},
                 "default_steps": self.canvas.default_steps, "vsa_sparsity": self.vsa_sparsity,
                 "adaln_cache": self.adaln_cache.stats() if self.adaln_cache else None,
+                "partitions": self.partitions.describe(),
                 "prompt_cache": self.prompt_cache.stats()}
 
     def weights_summary(self) -> str:
@@ -239,17 +252,29 @@ class H3Pipeline:
     # ---- generation ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, req: GenerateRequest, on_step: Callable[[StepEvent], None] | None = None) -> GenerateResult:
+        """t2va; fl2va with a first and/or last frame; ref2va with references (engine/models/h3/ref2va.py)."""
         frames, height, width, steps, notes = self.plan(req)
+        if req.references:
+            from engine.models.h3.ref2va import run_ref2va
+
+            self.use_partition("ref2va", on_step)
+            with self.loras(req.loras):
+                return run_ref2va(self, req, frames, height, width, steps, notes, on_step)
+        self.use_partition("fl2va", on_step)
         keyframes, images = [], []
         if req.first_frame is not None:
             keyframes.append("first")
-            images.append(fit_stretch(check_image("first frame", req.first_frame), height, width))
+            images.append(fit_stretch(check_image("The first frame", req.first_frame), height, width))
         if req.last_frame is not None:
             keyframes.append("last")
-            images.append(fit_cover(check_image("last frame", req.last_frame), height, width))
+            images.append(fit_cover(check_image("The last frame", req.last_frame), height, width))
 
         with self.loras(req.loras):
             return self._generate(req, frames, height, width, steps, notes, keyframes, images, on_step)
+
+    def use_partition(self, name: str, on_step=None) -> None:
+        """Make `name`'s DiT the active one (engine/models/h3/partitions.py)."""
+        self.dit = self.partitions.activate(name, self.dit, on_step)
 
     def resolve_lora(self, path: str) -> Path:
         """A LoRA name relative to one of the LoRA roots (the models directory, ComfyUI's loras folders), or a path
@@ -274,6 +299,13 @@ class H3Pipeline:
     def loras(self, specs: list[tuple[str, float]]):
         """Merge the request's LoRAs for the duration of one task; the weights are restored after."""
         handles = []
+        active = self.partitions.active
+        for path, _ in specs:
+            other = next((p for p in PARTITIONS if p != active and p in Path(path).name.lower()), None)
+            if other:
+                raise L.LayoutError(f"LoRA {Path(path).name} is for the {PARTITIONS[other]} DiT (its name says so), "
+                                    f"but this job runs the {PARTITIONS[active]} DiT. Use a LoRA trained for "
+                                    f"{PARTITIONS[active]}.")
         try:
             for path, scale in specs:
                 handles.append(merge_lora(self.dit, load_lora(self.resolve_lora(path), self.dit), float(scale)))
@@ -282,18 +314,34 @@ class H3Pipeline:
             for handle in reversed(handles):
                 unmerge_lora(self.dit, handle)
 
-    def encode_prompt(self, prompt: str, images=()) -> tuple[torch.Tensor, torch.Tensor]:
-        """Conditioner hidden states [1, Nt, text_dim] on the device and row tags; repeated prompts come from the
-        prompt cache, so the conditioner may be offloaded between requests."""
-        key = prompt_key(prompt, images)
+    def encode_prompt(self, prompt: str, images=(), references=()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Conditioner hidden states [1, Nt, text_dim] on the device and row tags, for t2va, fl2va (`images`: the
+        keyframes) or ref2va (`references`: normalised, in order); repeated prompts come from the prompt cache, so
+        the conditioner may be offloaded between requests."""
+        if references:
+            # The presentation depends on the pictures and the kinds in order (a sound adds only its label).
+            kinds = ",".join(r.kind + ("+sound" if r.kind == "video" and r.has_audio else "") for r in references)
+            media = [r.image if r.kind == "image" else r.frames for r in references if r.kind != "audio"]
+            key = prompt_key(f"ref2va[{kinds}]\0{prompt}", media)
+        else:
+            key = prompt_key(prompt, images)
         cached = self.prompt_cache.get(key)
         if cached is None:
             if self.conditioner is None:
                 raise RuntimeError("The text conditioner is offloaded and this prompt is not cached.")
-            cached = self.conditioner.encode(prompt, list(images))
+            cached = (self.conditioner.encode_references(prompt, references) if references
+                      else self.conditioner.encode(prompt, list(images)))
             self.prompt_cache.put(key, *cached)
         text, tags = cached
         return text.to(self.device), tags.cpu()
+
+    def check_sequence(self, layout: L.PackedLayout) -> None:
+        if layout.seq_len > self.canvas.max_rows:
+            target = layout.seq_len - layout.num_condition_video_rows - layout.num_condition_audio_rows
+            raise L.LayoutError(
+                f"The references add {layout.seq_len - target} rows to the clip's {target}: {layout.seq_len} in all, "
+                f"more than the {self.canvas.max_rows} this engine's memory plan allows (twice a 15 s clip at the "
+                "full canvas). Use fewer or shorter reference videos, or the 'match' size for reference images.")
 
     def run_denoise(self, layout: L.PackedLayout, text: torch.Tensor, video: Target, audio: Target, steps: int,
                     on_step, geometry: tuple[int, int, int], stage: str = "denoising", start: int = 0,
@@ -392,13 +440,20 @@ class H3Pipeline:
         audio = Target(self.noise(gen, 1, L.AUDIO_CHANNELS * Ta, cfg.audio_in_channels))
         timings["encode_s"] = time.perf_counter() - t0 - timings["conditioner_s"]
 
-        t_loop = time.perf_counter()
-        video_rows, audio_rows = self.run_denoise(layout, text, video, audio, steps, on_step, (T, h, w),
-                                                  cond_video=torch.cat(cond_rows, dim=1) if cond_rows else None)
-        timings["denoise_s"] = time.perf_counter() - t_loop
+        return self.denoise_and_decode(layout, text, video, audio, steps, on_step, (T, h, w), frames, notes, timings,
+                                       t0, cond_video=torch.cat(cond_rows, dim=1) if cond_rows else None)
 
+    def denoise_and_decode(self, layout: L.PackedLayout, text: torch.Tensor, video: Target, audio: Target, steps: int,
+                           on_step, geometry: tuple[int, int, int], frames: int, notes: list[str],
+                           timings: dict[str, float], t0: float, cond_video=None, cond_audio=None) -> GenerateResult:
+        """A generation's last two stages, timed into `timings` (total_s from t0): the denoise loop, the decode."""
+        T, h, w = geometry
+        t_loop = time.perf_counter()
+        video_rows, audio_rows = self.run_denoise(layout, text, video, audio, steps, on_step, geometry,
+                                                  cond_video=cond_video, cond_audio=cond_audio)
+        timings["denoise_s"] = time.perf_counter() - t_loop
         t_dec = time.perf_counter()
-        video_latents = L.unpatchify(video_rows, T, h, w, cfg.patch_size)
+        video_latents = L.unpatchify(video_rows, T, h, w, self.dit.config.patch_size)
         audio_latents = L.unpack_audio(audio_rows)[0]
         pixels, waveform, mp4 = self.decode(video_latents, audio_latents, frames, timings, notes, on_step)
         timings["decode_s"] = time.perf_counter() - t_dec
@@ -410,18 +465,21 @@ class H3Pipeline:
     def edit(self, req: EditRequest, on_step=None) -> GenerateResult:
         from engine.models.h3.edit import run_edit
 
+        self.use_partition("fl2va", on_step)
         with torch.no_grad(), self.loras(req.loras):
             return run_edit(self, req, on_step)
 
     def extend(self, req: ExtendRequest, on_step=None) -> GenerateResult:
         from engine.models.h3.extend import run_extend
 
+        self.use_partition("fl2va", on_step)
         with torch.no_grad(), self.loras(req.loras):
             return run_extend(self, req, on_step)
 
     def refine(self, req: RefineRequest, on_step=None) -> GenerateResult:
         from engine.models.h3.refine import run_refine
 
+        self.use_partition("fl2va", on_step)
         with torch.no_grad(), self.loras(req.loras):
             return run_refine(self, req, on_step)
 

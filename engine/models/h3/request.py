@@ -14,7 +14,7 @@ class Cancelled(Exception):
 
 @dataclass
 class GenerateRequest:
-    """t2va, or fl2va when a first and/or last frame is given."""
+    """t2va; fl2va when a first and/or last frame is given; ref2va when references are."""
 
     prompt: str
     seconds: float = 5.0
@@ -26,6 +26,8 @@ class GenerateRequest:
     first_frame: np.ndarray | None = None  # uint8 [H, W, 3]
     last_frame: np.ndarray | None = None
     loras: list[tuple[str, float]] = field(default_factory=list)  # (path inside the models dir, scale)
+    references: list = field(default_factory=list)  # ref2va: engine.models.h3.references types, in order
+    reference_size: str = "diffusers"  # image references: "diffusers" | "match" | "max" (references.py)
 
 
 @dataclass

@@ -312,18 +312,19 @@ class VideoVAE(nn.Module):
 
     @torch.no_grad()
     def encode_frames(self, frames_uint8: torch.Tensor, generator_seed: int = ENCODE_SEED,
-                      on_chunk: Callable[[], None] | None = None) -> torch.Tensor:
+                      on_chunk: Callable[[], None] | None = None, any_length: bool = False) -> torch.Tensor:
         """uint8 [F, H, W, 3] (F = 1 or 17n + 5; H, W multiples of 16) -> normalised latents [1, 24, T, H/16, W/16].
 
         The keyframe/reference recipe (spec §3.1): ImageNet-normalise, encode, sample the posterior under an
         independent CPU generator seeded `generator_seed`, round to fp16, normalise. `on_chunk()` after every
-        17-frame clip.
+        17-frame clip. `any_length`: other frame counts too, the last clip padded by repeating its last frame (a
+        ref2va video reference shorter than 22 frames, as the reference implementation encodes it).
         """
         frames = torch.as_tensor(frames_uint8)
         if frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[-1] != 3:
             raise ValueError(f"expected uint8 frames [F, H, W, 3], got {frames.dtype} {tuple(frames.shape)}")
         num_frames, height, width = frames.shape[:3]
-        if num_frames > 1:
+        if num_frames > 1 and not any_length:
             latent_frames(num_frames)  # raises LayoutError unless 17n + 5
         s = self.spatial_compression
         if height % s or width % s:
