@@ -188,10 +188,26 @@ def spectral_convergence(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def high_band_envelope(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """L1 of the log power envelopes (1 ms windows) of the second differences: rain's level and a click's burst
+    are noise whose waveform no decoder can predict, but their envelope it can (waveform MSE alone teaches silence
+    there; spectral convergence alone a constant hiss on every clip)."""
+    def envelope(a):
+        d = a[..., 2:] - 2 * a[..., 1:-1] + a[..., :-2]
+        return torch.log(F.avg_pool1d(d * d, 32, 32) + 1e-6)
+    return (envelope(y) - envelope(x)).abs().mean()
+
+
 def train_audio_vae(vae: AudioVAE, clips, budget_s: float, batch: int, seconds: float, log: Log, rng,
-                    max_steps=None) -> None:
+                    max_steps=None, decoder_only: bool = False, envelope_weight: float = 0.0) -> None:
+    """`decoder_only` keeps the encoder (and so the latents a DiT learned)."""
     model, device = vae.model.train(), vae.device
-    opt = torch.optim.AdamW(model.parameters(), lr=AUDIO_LR, fused=device.type == "cuda")
+    params = list(model.parameters())
+    if decoder_only:
+        for part in (model.encoder, model.pre_block, model.mean_proj, model.logs_proj):
+            part.requires_grad_(False)
+        params = [p for p in params if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=AUDIO_LR, fused=device.type == "cuda")
     length = int(seconds * vae.sample_rate) // vae.hop * vae.hop
     for step in timed_steps(budget_s, max_steps):
         # Warm-up: Adam's first full-size steps shift every layer's output together (the encoder's common part
@@ -206,9 +222,11 @@ def train_audio_vae(vae: AudioVAE, clips, budget_s: float, batch: int, seconds: 
         y = model(x, sample_posterior=False).sample[..., :length]  # the engine decodes posterior means
         wave = F.mse_loss(y, x)
         loss = AUDIO_WAVE_WEIGHT * wave + AUDIO_SPECTRAL_WEIGHT * spectral_convergence(y, x)
+        if envelope_weight:
+            loss = loss + envelope_weight * high_band_envelope(y, x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 50 == 0 or max_steps:
             log("audio_vae", step, max_steps, mse=wave.item(), loss=loss.item())
@@ -491,7 +509,10 @@ def main(argv=None) -> int:
     p.add_argument("--cache", type=Path, default=None,
                    help="the DiT stage's encoded clips: read from this file when it holds --clips of them, "
                         "else written")
-    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=[*STAGES, "video_decoder", "latent_rgb"])
+    p.add_argument("--stages", nargs="+", default=list(STAGES),
+                   choices=[*STAGES, "video_decoder", "audio_decoder", "latent_rgb"])
+    p.add_argument("--audio-envelope", type=float, default=0.0,
+                   help="weight of the audio VAE's high-band envelope loss (high_band_envelope)")
     p.add_argument("--eval-every", type=int, default=2000, help="DiT steps between held-out evaluations")
     p.add_argument("--batch", type=int, default=32, help="DiT clips per step (of one caption length)")
     p.add_argument("--lr", type=float, default=3e-4, help="DiT learning rate (cosine to a tenth over the budget)")
@@ -531,7 +552,7 @@ def main(argv=None) -> int:
         text_at_unit_scale(pipe.conditioner)
     pipe.canvas = Canvas(short_edge=height, max_pixels=height * width, default_steps=8)
     pipe.encode_mp4, pipe.adaln_cache = False, None
-    shares = {**STAGES, "video_decoder": 1.0, "latent_rgb": 0.0}
+    shares = {**STAGES, "video_decoder": 1.0, "audio_decoder": 1.0, "latent_rgb": 0.0}
     stage_share = {k: v / max(1e-9, sum(shares[s] for s in args.stages)) for k, v in shares.items()}
     budget = args.minutes * 60
 
@@ -548,9 +569,13 @@ def main(argv=None) -> int:
                         steps_cap, decoder_only=True)
     if "audio_vae" in args.stages:
         train_audio_vae(pipe.audio_vae, clips, stage_budget("audio_vae"), 1 if args.smoke else 16,
-                        0.1 if args.smoke else 1.0, log, rng, steps_cap)
+                        0.1 if args.smoke else 1.0, log, rng, steps_cap, envelope_weight=args.audio_envelope)
         raw = audio_vae(pipe.audio_vae.model).to(device)
         pipe.audio_vae = audio_vae(pipe.audio_vae.model, *latent_stats(raw, clips, encode_audio, 1, 32)).to(device)
+    if "audio_decoder" in args.stages:
+        train_audio_vae(pipe.audio_vae, clips, stage_budget("audio_decoder"), 1 if args.smoke else 16,
+                        0.1 if args.smoke else 1.0, log, rng, steps_cap, decoder_only=True,
+                        envelope_weight=args.audio_envelope)
     if "dit" in args.stages:
         eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(4)]
         train_dit(pipe, encoded(pipe, clips, args.cache), stage_budget("dit"),
