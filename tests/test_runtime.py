@@ -4,6 +4,7 @@ import asyncio
 import json
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +19,9 @@ from engine_fixture import start_engine
 from nodes.client import EngineError
 
 JOB = {"prompt": "two ranks, one answer", "steps": 3, "seed": 7, "width": 64, "height": 64}
+# A ref2va job: both ranks swap to the Ref2VA partition, and back for the t2va jobs after it.
+REF2VA = ({**JOB, "references": [{"kind": "image"}, {"kind": "audio", "sample_rate": 16000}]},
+          {"ref0_image": np.full((48, 40, 3), 200, np.uint8), "ref1_audio": np.full((1, 8000), 0.1, np.float32)})
 # torchrun gives each of N > 1 ranks one thread; CPU float results depend on the thread count, so the
 # one-rank engine gets one thread too.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -26,15 +30,19 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 def test_two_gloo_ranks_give_the_one_rank_result_and_agree_on_cancel(tmp_path):
     with start_engine(tmp_path / "one", env=ONE_THREAD) as engine:
         one = asyncio.run(engine.client().run("t2va", JOB))
+        one_ref = asyncio.run(engine.client().run("ref2va", *REF2VA))
     with start_engine(tmp_path / "two", "--gpus", "2") as engine:
         client = engine.client()
         status = asyncio.run(client.status())
         assert status["engine"]["ranks"] == 2 and status["engine"]["backend"] == "gloo"
         two = asyncio.run(client.run("t2va", JOB))
+        two_ref = asyncio.run(client.run("ref2va", *REF2VA))
         # Two ranks split the sequence (Ulysses): the same result up to float rounding of the reduction order.
-        frames_two, frames_one = (torch.from_numpy(r.frames.copy()).float() for r in (two, one))
-        assert (frames_two - frames_one).abs().max() <= 2 and (frames_two - frames_one).abs().mean() < 0.05
-        assert torch.allclose(torch.from_numpy(two.audio.copy()), torch.from_numpy(one.audio.copy()), atol=1e-3)
+        for a, b in ((two, one), (two_ref, one_ref)):
+            frames_a, frames_b = (torch.from_numpy(r.frames.copy()).float() for r in (a, b))
+            assert (frames_a - frames_b).abs().max() <= 2 and (frames_a - frames_b).abs().mean() < 0.05
+            assert torch.allclose(torch.from_numpy(a.audio.copy()), torch.from_numpy(b.audio.copy()), atol=1e-3)
+        assert not np.array_equal(one.frames, one_ref.frames)
         assert status["models"]["parallel"] == "ulysses x2"
 
         async def cancel_then_next():
