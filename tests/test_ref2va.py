@@ -150,6 +150,25 @@ def test_partition_swap_gives_what_fresh_engines_give(pipe):
     assert status["last_swap"]["to"] == "fl2va" and status["last_swap"]["seconds"] >= 0
 
 
+def test_a_partition_dropped_for_want_of_host_memory_is_read_again(monkeypatch):
+    from engine.models.h3 import partitions as P
+
+    reads = []
+
+    def read():
+        reads.append(1)
+        return torch.nn.Linear(2, 2)
+
+    parts = P.Partitions("fl2va", "cpu", {"fl2va": read, "ref2va": read})
+    monkeypatch.setattr(P, "host_available_bytes", lambda: 0)
+    monkeypatch.setattr(parts, "_fits", lambda size: False)  # as on a GPU with room for one DiT
+    first = torch.nn.Linear(2, 2)
+    ref = parts.activate("ref2va", first)
+    assert first.weight.device.type == "meta" and parts.describe()["idle"] == {"fl2va": "disk"}
+    back = parts.activate("fl2va", ref)
+    assert len(reads) == 2 and back.weight.device.type == "cpu" and parts.swaps[-1]["source"] == "disk"
+
+
 def test_lora_of_the_other_partition_is_refused(pipe, tmp_path):
     lora = tmp_path / "minimax_h3_fl2va_turbo_lora.safetensors"
     lora.write_bytes(b"")

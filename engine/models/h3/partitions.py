@@ -115,8 +115,7 @@ class Partitions:
         """Into pinned host memory when the host has room for it, else dropped (read from disk when next needed)."""
         available = host_available_bytes()
         if name in self.loaders and available is not None and available < 1.2 * module_bytes(dit):
-            del dit
-            torch.cuda.empty_cache()
-            return
-        self.idle[name] = to_pinned_host(dit)
+            dit.to("meta")  # frees its device memory though the caller still holds the module
+        else:
+            self.idle[name] = to_pinned_host(dit)
         torch.cuda.empty_cache()

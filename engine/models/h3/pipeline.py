@@ -70,6 +70,14 @@ TOY_FILES = {"dit": "minimax_h3_fl2va_toy_bf16.safetensors", "text_encoder": "qw
              "audio_vae": "minimax_h3_toy_audio_vae_fp32.safetensors"}
 
 
+def partition_loaders(fl2va: str | Path, ref2va: str | Path | None, dtype: torch.dtype, device) -> dict:
+    """How each DiT partition is read from disk (Ref2VA only where its weights are there)."""
+    loaders = {"fl2va": lambda: load_dit(fl2va, dtype=dtype, device=device)}
+    if ref2va:
+        loaders["ref2va"] = lambda: load_dit(ref2va, dtype=dtype, device=device)
+    return loaders
+
+
 def parse_aspect(aspect: str) -> tuple[float, float]:
     try:
         w, h = (float(x) for x in aspect.replace("x", ":").split(":"))
@@ -95,10 +103,11 @@ def fit_cover(image: np.ndarray, height: int, width: int) -> np.ndarray:
 class H3Pipeline:
     def __init__(self, dit: H3DiT, video_vae: VideoVAE, audio_vae: AudioVAE, conditioner: Conditioner,
                  canvas: Canvas, device: torch.device, name: str, lora_roots: Sequence[str | Path] = (),
-                 ref2va: Callable[[], H3DiT] | None = None):
-        """`dit` is the FL2VA partition's; `ref2va` loads the Ref2VA partition's on the first ref2va job."""
+                 loaders: dict[str, Callable[[], H3DiT]] | None = None):
+        """`dit` is the FL2VA partition's; `loaders` read a partition's DiT ("ref2va": on the first ref2va job;
+        "fl2va": again, when it was dropped for want of host memory)."""
         self.dit, self.video_vae, self.audio_vae, self.conditioner = dit, video_vae, audio_vae, conditioner
-        self.partitions = Partitions("fl2va", device, {"ref2va": ref2va} if ref2va else {})
+        self.partitions = Partitions("fl2va", device, loaders or {})
         self.canvas, self.device, self.name = canvas, device, name
         self.lora_roots = tuple(Path(r) for r in lora_roots)  # LoRA files must lie inside one (none: any path)
         self.adaln_cache: AdaLNCache | None = AdaLNCache()  # None: every step computes its AdaLN tables
@@ -130,7 +139,8 @@ class H3Pipeline:
         dit = build_dit(config, seed=seed, device=device)
         return cls(dit, build_tiny_video_vae(seed).to(device), build_tiny_audio_vae(seed).to(device),
                    build_tiny_conditioner(seed, hidden_size=config.text_dim).to(device), TINY_CANVAS, device,
-                   "tiny", lora_roots, ref2va=lambda: build_dit(config, seed=seed + 1, device=device))
+                   "tiny", lora_roots, {"fl2va": lambda: build_dit(config, seed=seed, device=device),
+                                        "ref2va": lambda: build_dit(config, seed=seed + 1, device=device)})
 
     @classmethod
     def from_models(cls, models_dir: str | Path, device: str | torch.device = "cuda",
@@ -147,7 +157,7 @@ class H3Pipeline:
                    AudioVAE.from_pretrained(root / "audio_vae").to(device),
                    Conditioner.from_pretrained(root, dtype=dtype, device=device), FULL_CANVAS, device,
                    str(root), (Path(models_dir),),
-                   ref2va=(lambda: load_dit(ref, dtype=dtype, device=device)) if ref else None)
+                   partition_loaders(root / "transformer", ref, dtype, device))
 
     @classmethod
     def from_files(cls, dit: str | Path, text_encoder: str | Path, video_vae: str | Path, audio_vae: str | Path,
@@ -177,7 +187,7 @@ class H3Pipeline:
                    load_video_vae_file(video_vae, configs.get("video_vae")).to(device),
                    load_audio_vae_file(audio_vae, configs.get("audio_vae")).to(device), conditioner,
                    configs.get("canvas", FULL_CANVAS), device, Path(dit).name, lora_roots,
-                   ref2va=(lambda: load_dit(ref_dit, dtype=dtype, device=device)) if ref_dit else None)
+                   partition_loaders(dit, ref_dit, dtype, device))
         pipe.files = {role: describe_file(path) for role, path in (
             ("dit", dit), ("text_encoder", text_encoder), ("video_vae", video_vae), ("audio_vae", audio_vae))}
         return pipe

@@ -132,15 +132,16 @@ def normalise_video(frames, fps: float, index: int, num_frames: int, short_edge:
                             f"{frames.dtype} {list(frames.shape)}.")
     if not np.isfinite(fps) or fps <= 0:
         raise L.LayoutError(f"Reference {index} (a video) needs a positive frame rate, got {fps}.")
-    if fps != L.FPS:
+    shown = np.arange(frames.shape[0])  # the source frame each 24 fps frame shows
+    if fps != L.FPS:  # each frame held until the 24 fps slot of the next one, the last to where the stream ends
         scale = L.FPS / fps
         slots = np.floor(np.arange(frames.shape[0]) * scale + 0.5).astype(np.int64)
-        frames = np.repeat(frames, np.diff(slots, append=int(np.floor(frames.shape[0] * scale + 0.5))), axis=0)
-    if frames.shape[0] < MIN_VIDEO_FRAMES:
-        raise L.LayoutError(f"Reference {index} (a video) is {frames.shape[0]} frames at 24 fps; a reference video "
+        shown = np.repeat(shown, np.diff(slots, append=int(np.floor(frames.shape[0] * scale + 0.5))))
+    if len(shown) < MIN_VIDEO_FRAMES:
+        raise L.LayoutError(f"Reference {index} (a video) is {len(shown)} frames at 24 fps; a reference video "
                             f"needs at least {MIN_VIDEO_FRAMES} ({MIN_VIDEO_FRAMES / L.FPS:.2f} s): the model reads "
                             "it at 2 fps, in pairs of frames. Use a longer clip or give a frame as an image.")
-    frames = frames[:num_frames]
+    frames = frames[shown[:num_frames]]
     h, w = frames.shape[1:3]
     if not L.MIN_ASPECT <= w / h <= L.MAX_ASPECT:
         raise L.LayoutError(f"Reference {index} (a video) is {w}x{h}; MiniMax-H3 takes references from 1:4 to 4:1.")
@@ -157,7 +158,7 @@ def encoded_frame_count(num_frames: int) -> int:
                + L.LATENTS_PER_CHUNK)
 
 
-def normalise_audio(audio, index: int, seconds: float) -> np.ndarray:
+def normalise_audio(audio, sample_rate: int, index: int, seconds: float) -> np.ndarray:
     """float32 [C, S] (mono or stereo), finite, truncated to the target's duration at its own sample rate."""
     wave = np.asarray(audio, dtype=np.float32)
     if wave.ndim == 1:
@@ -165,7 +166,7 @@ def normalise_audio(audio, index: int, seconds: float) -> np.ndarray:
     if wave.ndim != 2 or wave.shape[0] not in (1, 2) or wave.shape[1] == 0 or not np.isfinite(wave).all():
         raise L.LayoutError(f"Reference {index} (a sound) must be finite mono or stereo samples [channels, "
                             f"samples], got {list(wave.shape)}.")
-    return wave
+    return wave[:, :int(seconds * sample_rate)]
 
 
 def normalise(references, num_frames: int, mode: str, target_pixels: int, short_edge: int, max_pixels: int,
@@ -180,8 +181,7 @@ def normalise(references, num_frames: int, mode: str, target_pixels: int, short_
     for i, ref in enumerate(references, 1):
         audio = None
         if ref.has_audio:
-            audio = normalise_audio(ref.audio, i, seconds)
-            audio = audio[:, :int(seconds * ref.sample_rate)]
+            audio = normalise_audio(ref.audio, int(ref.sample_rate), i, seconds)
         if ref.kind == "image":
             out.append(ImageReference(normalise_image(ref.image, i, mode, target_pixels, reference_short_edge)))
         elif ref.kind == "video":
