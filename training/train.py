@@ -39,6 +39,7 @@ from engine.models.h3.config import TINY
 from engine.models.h3.denoise import Target
 from engine.models.h3.dit import build_dit
 from engine.models.h3.pipeline import KEYFRAME_NOISE_AUG, TOY_FILES, Canvas, GenerateRequest, H3Pipeline
+from engine.models.h3.references import AudioReference, ImageReference, normalise_image
 from engine.models.h3.schedule import AUDIO_SHIFT, VIDEO_SHIFT
 from engine.models.h3.vae import (IMAGENET_MEAN, IMAGENET_STD, TINY_TILE_OVERLAP, TINY_TILE_SIZE, TOY_AUDIO_VAE,
                                   AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae, save_audio_vae_file,
@@ -53,7 +54,9 @@ TOY = replace(TINY, num_attention_heads=4, attention_head_dim=64, hidden_size=25
               ffn_dim=768, time_embed_hidden_dim=256, time_embed_dim=64, rope_freq_dim=8)
 FILES = TOY_FILES
 EVAL_SEED = 10_000_000  # scenes from here on are never trained on
-TASKS = {"t2va": 0.4, "first": 0.15, "first_last": 0.1, "edit": 0.2, "extend": 0.15}  # share of DiT steps per layout
+# Share of DiT steps per layout (normalised by their sum).
+TASKS = {"t2va": 0.4, "first": 0.15, "first_last": 0.1, "edit": 0.2, "extend": 0.15, "ref2va": 0.1}
+REF_AUDIO_SECONDS = 2.0  # ref2va: the sound reference, the clip's first seconds
 EMA = 0.995
 AUDIO_LR, AUDIO_WARMUP = 3e-4, 100
 AUDIO_WAVE_WEIGHT, AUDIO_SPECTRAL_WEIGHT = 100.0, 0.3  # waveform MSE (it teaches the hum's phase) + spectra
@@ -301,12 +304,15 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator) -> to
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
     the source outside a box at the condition level (edit), the window's first latents noised to the condition
-    level with its clean audio, on a shifted clock (extension)."""
+    level with its clean audio, on a shifted clock (extension), an image reference (the clip's middle frame at the
+    reference size) noised likewise and a clean sound reference (its first seconds), the prompt presenting both
+    (ref2va)."""
     device = batch[0]["video"].device
     x0v = L.patchify(torch.stack([b["video"] for b in batch]))
     x0a = L.pack_audio(torch.stack([b["audio"] for b in batch]))
     keyframes = {"first": ("first",), "first_last": ("first", "last")}.get(task, ())
-    text, tags = torch.stack([b["text"][keyframes] for b in batch]), batch[0]["tags"][keyframes]
+    presentation = "ref2va" if task == "ref2va" else keyframes  # what the prompt carries
+    text, tags = torch.stack([b["text"][presentation] for b in batch]), batch[0]["tags"][presentation]
     _, _, T, h, w = batch[0]["video"][None].shape
     Ta = batch[0]["audio"].shape[-1]
     patch = dit.config.patch_size[1:]
@@ -324,6 +330,14 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator) -> to
         layout = L.build_layout(tags, T, h, w, Ta, patch, keyframes)
         cond_v = torch.cat([L.patchify(torch.stack([b[k] for b in batch])) for k in keyframes], dim=1)
         cond_v = KEYFRAME_NOISE_AUG * cond_v + (1 - KEYFRAME_NOISE_AUG) * noise(cond_v)
+    elif task == "ref2va":
+        picture = torch.stack([b["reference"] for b in batch])  # [B, 24, 1, rh, rw]
+        sound = min(Ta, round(REF_AUDIO_SECONDS * L.AUDIO_LATENTS_PER_SECOND))
+        blocks = (L.ReferenceBlock("image", 1, *picture.shape[-2:]), L.ReferenceBlock("audio", audio_latents=sound))
+        layout = L.build_ref2va_layout(tags, blocks, T, h, w, Ta, patch)
+        cond_v = L.patchify(picture)
+        cond_v = KEYFRAME_NOISE_AUG * cond_v + (1 - KEYFRAME_NOISE_AUG) * noise(cond_v)
+        cond_a = L.pack_audio(torch.stack([b["audio"][..., :sound] for b in batch]))
     elif task == "extend":
         overlap, guide_audio, start = extension_rows(T, rng)
         layout = L.build_layout(tags, T, h, w, Ta, patch, media_origin=float(tags.numel() + rng.integers(0, 8)),
@@ -360,21 +374,25 @@ def encode_clips(vae: VideoVAE, frames: np.ndarray) -> torch.Tensor:
 
 
 def prepare(pipe: H3Pipeline, clips, batch: int = 64) -> list[dict]:
-    """Each clip's latents, keyframe latents and prompt embeddings (plain, with the first keyframe's picture
-    block, with both: what each task's prompt carries, as in the engine), on the device. Every part but the DiT
-    is frozen, so all of it runs once, batched."""
+    """Each clip's latents, keyframe latents, image reference latents and prompt embeddings (plain, with the first
+    keyframe's picture block, with both, with the references: what each task's prompt carries, as in the engine),
+    on the device. Every part but the DiT is frozen, so all of it runs once, batched."""
     out = []
+    canvas = pipe.canvas
     with torch.no_grad():
         for i in range(0, len(clips), batch):
             group = clips[i:i + batch]
             frames = np.stack([c[0] for c in group])
             video = encode_clips(pipe.video_vae, frames)
             first, last = encode_clips(pipe.video_vae, frames[:, :1]), encode_clips(pipe.video_vae, frames[:, -1:])
+            pictures = np.stack([reference_picture(c, canvas) for c in group])
+            reference = encode_clips(pipe.video_vae, pictures[:, None])
             audio = pipe.audio_vae.model.encode(torch.from_numpy(np.stack([c[1] for c in group])).to(pipe.device)
                                                 .flatten(0, 1)[:, None], return_dict=False)[0].mode()
             audio = ((audio - pipe.audio_vae.latents_mean) / pipe.audio_vae.latents_std).unflatten(0, (-1, 2))
             for j, clip in enumerate(group):
                 out.append({"video": video[j], "audio": audio[j], "first": first[j], "last": last[j],
+                            "reference": reference[j], "picture": pictures[j], "sound": clip[1],
                             "prompt": clip[2], "text": {}, "tags": {},
                             "weight": 1 + OBJECT_WEIGHT * torch.from_numpy(clip[3]).to(pipe.device).float()})
         for indices in by_caption_length(pipe, out):
@@ -385,7 +403,17 @@ def prepare(pipe: H3Pipeline, clips, batch: int = 64) -> list[dict]:
                                                                [[clips[k][0][f] for f in picked] for k in part])
                     for k, hidden in zip(part, text):
                         out[k]["text"][keyframes], out[k]["tags"][keyframes] = hidden.float(), tags
+        for sample in out:  # one prompt at a time: the presentation of its references
+            text, tags = pipe.conditioner.encode_references(
+                sample["prompt"], [ImageReference(sample.pop("picture")), AudioReference(sample.pop("sound"))])
+            sample["text"]["ref2va"], sample["tags"]["ref2va"] = text[0].float(), tags
     return out
+
+
+def reference_picture(clip, canvas: Canvas) -> np.ndarray:
+    """A clip's middle frame as the engine sizes an image reference ("diffusers" mode)."""
+    frame = clip[0][len(clip[0]) // 2]
+    return normalise_image(frame, 1, "diffusers", frame.shape[0] * frame.shape[1], canvas.reference_short_edge)
 
 
 def text_at_unit_scale(conditioner) -> None:
