@@ -15,7 +15,7 @@ from engine.models.h3 import layout as L
 from engine.models.h3 import references as R
 from engine.models.h3.pipeline import GenerateRequest, H3Pipeline
 from engine.runtime.jobs import JobSpec
-from engine.server.scheduler import MAX_OVERTAKEN, Job, next_job
+from engine.server.scheduler import MAX_OVERTAKEN, Job, next_job, run_order
 
 STEPS = 3
 
@@ -200,12 +200,13 @@ def test_queue_groups_by_partition_and_bounds_overtaking():
     tasks = [str(t) for t in np.random.default_rng(0).choice(["t2va", "ref2va", "edit", "ref2va", "upscale"], 20)]
     queue = deque(Job(JobSpec(job=f"{i:032x}", task=t, params={})) for i, t in enumerate(tasks))
     index = {job.id: i for i, job in enumerate(queue)}
+    planned = [index[job.id] for job in run_order(queue, "fl2va")]  # what waiting clients are told
     order, active = [], "fl2va"
     while queue:
         job = next_job(queue, active)
         active = {"ref2va": "ref2va", "upscale": active}.get(job.spec.task, "fl2va")
         order.append(index[job.id])
-    assert sorted(order) == list(range(20))
+    assert sorted(order) == list(range(20)) and order == planned
     for position, i in enumerate(order):  # later jobs that ran before job i
         assert sum(j > i for j in order[:position]) <= MAX_OVERTAKEN
     assert swaps(tasks[i] for i in order) < swaps(tasks)

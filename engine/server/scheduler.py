@@ -181,18 +181,35 @@ def latent_voxels(video_latents: torch.Tensor) -> int:
     return video_latents[0, 0].numel()
 
 
-def next_job(queue: deque[Job], active: str | None) -> Job:
-    """The job to run next: the first one on the loaded DiT partition (no swap), unless that would overtake a job
-    already overtaken MAX_OVERTAKEN times; then the oldest. Removed from the queue."""
-    for i, job in enumerate(queue):
+def pick(waiting: list[Job], active: str | None, overtaken: dict[Job, int]) -> int:
+    """Index of the job to run next: the first one on the loaded DiT partition (no swap), unless that would
+    overtake a job already overtaken MAX_OVERTAKEN times; then the oldest."""
+    for i, job in enumerate(waiting):
         if partition_for(job.spec.task) in (None, active):
-            if all(earlier.overtaken < MAX_OVERTAKEN for earlier in list(queue)[:i]):
-                for earlier in list(queue)[:i]:
-                    earlier.overtaken += 1
-                del queue[i]
-                return job
-            break
-    return queue.popleft()
+            return i if all(overtaken[earlier] < MAX_OVERTAKEN for earlier in waiting[:i]) else 0
+    return 0
+
+
+def next_job(queue: deque[Job], active: str | None) -> Job:
+    """`pick`'s job, removed from the queue; the jobs it overtook count it."""
+    waiting = list(queue)
+    i = pick(waiting, active, {job: job.overtaken for job in waiting})
+    for earlier in waiting[:i]:
+        earlier.overtaken += 1
+    del queue[i]
+    return waiting[i]
+
+
+def run_order(queue: deque[Job], active: str | None) -> list[Job]:
+    """The order `next_job` will run the waiting jobs in, from the partition `active` on (nothing changes)."""
+    waiting, overtaken, order = list(queue), {job: job.overtaken for job in queue}, []
+    while waiting:
+        i = pick(waiting, active, overtaken)
+        for earlier in waiting[:i]:
+            overtaken[earlier] += 1
+        order.append(waiting.pop(i))
+        active = partition_for(order[-1].spec.task) or active
+    return order
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -305,7 +322,14 @@ class Scheduler:
     def position(self, job: Job) -> int:
         if job is self.running:
             return 0
-        return (self.running is not None) + self.queue.index(job)
+        return (self.running is not None) + run_order(self.queue, self.active_partition()).index(job)
+
+    def active_partition(self) -> str | None:
+        """The DiT partition loaded when the next job starts: the running job's, else the pipeline's."""
+        if self.running is not None and partition_for(self.running.spec.task):
+            return partition_for(self.running.spec.task)
+        partitions = getattr(getattr(self.runner, "pipeline", None), "partitions", None)
+        return partitions.active if partitions else None
 
     def cancel(self, job_id: str) -> bool:
         """False when the job is unknown; a finished job is left as it is."""
@@ -353,8 +377,7 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            partitions = getattr(getattr(self.runner, "pipeline", None), "partitions", None)
-            job = next_job(self.queue, partitions.active if partitions else None)
+            job = next_job(self.queue, self.active_partition())
             self.running, job.state, job.started_at = job, "running", time.time()
             self._announce_positions()
             await self._run(job, loop)
