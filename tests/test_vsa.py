@@ -16,7 +16,7 @@ from engine.kernels import attention as attn
 from engine.kernels import vsa
 from engine.models.h3.config import TEXT_TAG, TINY, VIDEO_TAG
 from engine.models.h3.dit import build_dit
-from engine.models.h3.layout import build_layout, row_timesteps
+from engine.models.h3.layout import ReferenceBlock, build_layout, build_ref2va_layout, row_timesteps
 from triton_interpreter import load_kernels
 
 
@@ -73,9 +73,16 @@ def test_tile_reorder_and_inverse_exact(T, h, w, text, audio, keyframes):
             assert int(plan.prefix_tile_sizes[plan.prefix_tile[lo:hi].unique()].sum()) == hi - lo
     assert bool((plan.prefix_tile_sizes <= 64).all())
 
-@pytest.mark.parametrize("keyframes", [(), ("first", "last")])
+def ref2va_layout(T=5, h=5, w=7):
+    """References at their own grids between the text and the target: image, a video with its sound, a sound."""
+    blocks = (ReferenceBlock("image", 1, 4, 6), ReferenceBlock("video", 2, 6, 4, audio_latents=3),
+              ReferenceBlock("audio", audio_latents=2))
+    return build_ref2va_layout(torch.full((7,), TEXT_TAG), blocks, T, 2 * h, 2 * w, 3)
+
+
+@pytest.mark.parametrize("keyframes", [(), ("first", "last"), "ref2va"])
 def test_topk_all_equals_dense(keyframes):
-    plan = vsa.build_plan(make_layout(keyframes=keyframes))
+    plan = vsa.build_plan(ref2va_layout() if keyframes == "ref2va" else make_layout(keyframes=keyframes))
     q, k, v = qkv(plan.seq_len)
     out = vsa.vsa_attention(q, k, v, plan, topk=plan.num_cubes)
     assert rel_err(out, attn.sdpa(q, k, v)) <= 1e-5
