@@ -14,7 +14,8 @@ WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_CONTROL = {"fixed", "increment", "decrement", "randomize"}
 
 UPLOADS = ("image_upload", "video_upload")
-# An audio upload stores two values after the file name, both null: its player ("audioUI") and its upload button.
+# An audio upload stores one value after the file name, null: its upload button (ComfyUI frontend 1.35; its player,
+# "audioUI", is not saved).
 AUDIO_UPLOAD = "audio_upload"
 
 CORE_NODES = {
@@ -77,7 +78,7 @@ def widgets(node_def: dict) -> list[tuple[str, object, dict]]:
             if any(options.get(kind) for kind in UPLOADS):
                 uploads.append((f"{name}:upload", "UPLOAD", {}))
             if options.get(AUDIO_UPLOAD):
-                uploads += [(f"{name}:audioUI", "NULL", {}), (f"{name}:upload", "NULL", {})]
+                uploads.append((f"{name}:upload", "NULL", {}))
     return out + uploads
 
 
