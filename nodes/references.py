@@ -48,10 +48,11 @@ class H3ForgeReferences:
                 "image_size": (SIZES, {"default": "diffusers", "tooltip":
                                "How the engine sizes reference images: diffusers = short edge 2048 (the released "
                                "recipe), match = the video's own area, never enlarged (what the Ref2VA Turbo LoRA "
-                               "was trained with), max = as given, shrunk only past 2048."}),
-                "max_megapixels": ("FLOAT", {"default": 4.2, "min": 0.0, "max": 64.0, "step": 0.1, "tooltip":
+                               "was trained with), max = as given, shrunk only past 2048. In a chain, the last "
+                               "node's choice applies to every image."}),
+                "max_megapixels": ("FLOAT", {"default": 8.0, "min": 0.0, "max": 64.0, "step": 0.1, "tooltip":
                                    "Images larger than this are shrunk here before they are sent (0 = send as "
-                                   "they are). 4.2 MP covers the diffusers size of a 16:9 image."}),
+                                   "they are). 8 MP covers the diffusers size of a 16:9 image (2048x3648)."}),
                 "keep_video_sound": ("BOOLEAN", {"default": True, "tooltip":
                                      "Use the video's soundtrack as a reference too (off: its motion only)."}),
             },

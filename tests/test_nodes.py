@@ -249,7 +249,7 @@ def test_lora_list_parsing():
 def references_node(**inputs):
     from h3forge_pack.nodes.references import H3ForgeReferences
 
-    inputs = {"image_size": "diffusers", "max_megapixels": 4.2, "keep_video_sound": True, **inputs}
+    inputs = {"image_size": "diffusers", "max_megapixels": 8.0, "keep_video_sound": True, **inputs}
     return asyncio.run(H3ForgeReferences().collect(**inputs))[0]
 
 
@@ -280,3 +280,10 @@ def test_references_and_keyframes_together_are_refused(settings):
     refs = references_node(images=torch.rand(1, 64, 64, 3))
     with pytest.raises(ValueError, match="references or first_frame / last_frame, not both"):
         generate(settings, references=refs, first_frame=torch.rand(1, 64, 64, 3))
+
+
+def test_references_shrink_images_past_the_pixel_budget():
+    refs = references_node(images=torch.rand(2, 1500, 2000, 3), max_megapixels=0.75)
+    assert [item["image"].shape for item in refs["items"]] == [(750, 1000, 3)] * 2
+    kept = references_node(images=torch.rand(1, 150, 200, 3), max_megapixels=0.0)
+    assert kept["items"][0]["image"].shape == (150, 200, 3)
