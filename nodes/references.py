@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from .client import protocol
 from .video_io import audio_samples, engine_module, images_to_uint8
 
 REFERENCES_TYPE = "H3FORGE_REFERENCES"
 REFERENCES_INPUT = (REFERENCES_TYPE, {"tooltip":
                     "References from H3Forge References nodes: the video is made from them and the prompt "
                     "(MiniMax-H3 Ref2VA). Not together with first_frame / last_frame."})
-SIZES = ["diffusers", "match", "max"]
+SIZES = list(protocol.REFERENCE_SIZES)
 LIMITS = "at most 9 images, 3 videos and 3 sounds, 12 in all; a sound never alone"
 
 

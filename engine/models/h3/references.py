@@ -13,9 +13,10 @@ import numpy as np
 from PIL import Image
 
 from engine.models.h3 import layout as L
+from engine.protocol import MAX_REFERENCES
+from engine.protocol import REFERENCE_SIZES as RESIZE_MODES
 
-MAX_IMAGES, MAX_VIDEOS, MAX_AUDIOS, MAX_REFERENCES = 9, 3, 3, 12
-RESIZE_MODES = ("diffusers", "match", "max")
+MAX_IMAGES, MAX_VIDEOS, MAX_AUDIOS = 9, 3, 3
 REFERENCE_SHORT_EDGE = 2048  # the released image-reference resolution ("diffusers" and "max" modes)
 # The conditioner reads a reference video at 2 fps (every 12th frame at 24 fps) in pairs of frames: frames 0 and 12.
 MIN_VIDEO_FRAMES = 13
@@ -105,9 +106,14 @@ def reference_size(height: int, width: int, mode: str, target_pixels: int,
     elif mode == "max":
         scale = min(1.0, short_edge / min(height, width))
     else:
-        raise L.LayoutError(f"Reference resize mode {mode!r} is not one of {', '.join(RESIZE_MODES)}.")
+        check_mode(mode)
     m = L.CANVAS_MULTIPLE
     return max(m, round(height * scale / m) * m), max(m, round(width * scale / m) * m)
+
+
+def check_mode(mode: str) -> None:
+    if mode not in RESIZE_MODES:
+        raise L.LayoutError(f"Reference resize mode {mode!r} is not one of {', '.join(RESIZE_MODES)}.")
 
 
 def normalise_image(image, index: int, mode: str, target_pixels: int, short_edge: int) -> np.ndarray:
@@ -174,8 +180,7 @@ def normalise(references, num_frames: int, mode: str, target_pixels: int, short_
     """The references checked and put on the model's grid, in order (sounds keep their own sample rate; the audio
     VAE resamples them to 32 kHz as it encodes)."""
     check_references(references)
-    if mode not in RESIZE_MODES:
-        raise L.LayoutError(f"Reference resize mode {mode!r} is not one of {', '.join(RESIZE_MODES)}.")
+    check_mode(mode)
     seconds = num_frames / L.FPS
     out = []
     for i, ref in enumerate(references, 1):
