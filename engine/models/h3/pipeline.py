@@ -25,7 +25,6 @@ from PIL import Image
 
 from engine.cache.adaln import AdaLNCache
 from engine.cache.prompt import PromptCache, prompt_key
-from engine.io.video import Mp4Encoder
 from engine.kernels import vsa
 from engine.models.h3 import layout as L
 from engine.models.h3.checkpoint import load_dit
@@ -404,7 +403,11 @@ class H3Pipeline:
         done()
         buffer, chunks, left = io.BytesIO(), [], frames
         codec = "auto" if self.device.type == "cuda" else "libx264"
-        encoder = Mp4Encoder(buffer, L.FPS, waveform, rate, codec=codec) if self.encode_mp4 else None
+        encoder = None
+        if self.encode_mp4:
+            from engine.io.video import Mp4Encoder  # PyAV only where MP4s are written (not in training)
+
+            encoder = Mp4Encoder(buffer, L.FPS, waveform, rate, codec=codec)
         with encoder or contextlib.nullcontext():
             for chunk in self.video_vae.decode_chunks(video_latents):
                 chunk = chunk[:left]
