@@ -28,6 +28,7 @@ from engine.models.h3.pipeline import EditRequest, ExtendRequest, GenerateReques
 from engine.models.h3.request import Source  # noqa: E402
 from engine.models.seedvr2.pipeline import SeedVR2Pipeline  # noqa: E402
 from training.captions import caption  # noqa: E402
+from training.guidance import GuidedDiT  # noqa: E402
 from training.quality import psnr  # noqa: E402
 from training.scoring import score_clip  # noqa: E402
 from training.task_checks import (box_masks, extension_checks, removal_checks, repaint_checks,  # noqa: E402
@@ -149,8 +150,13 @@ def main() -> int:
                                                        "for the repaint")
     p.add_argument("--extensions", type=int, default=3, help="5 s clips extended to 15 s")
     p.add_argument("--out", default="benchmarks/results/toy_eval.json")
+    p.add_argument("--guidance", type=float, default=1.0,
+                   help="sample from the DiT guided by this scale (two branches a step; training/guidance.py): "
+                        "what a guidance-distilled DiT aims at")
     args = p.parse_args()
     pipe = load(args.weights, args.device)
+    if args.guidance != 1:
+        pipe.dit = GuidedDiT(pipe.dit, args.guidance)
     width, height = pipe.canvas.max_pixels // pipe.canvas.short_edge, pipe.canvas.short_edge
     rows, checks, t0 = [], {}, time.perf_counter()
     for i in range(args.captions):
@@ -189,7 +195,8 @@ def main() -> int:
                **shares(edits, "removal"), **shares(edits, "replace"), **shares(edits, "repaint"),
                **shares(extensions, "extension"),
                **upscale_rows(args, width, height),
-               "wall_s": round(time.perf_counter() - t0, 1), "device": args.device, "weights": str(args.weights)}
+               "wall_s": round(time.perf_counter() - t0, 1), "device": args.device, "weights": str(args.weights),
+               "guidance": args.guidance}
     print("\n== toy eval (share of clips passing; PSNR in dB) ==")
     for k, v in summary.items():
         print(f"{k:34s} {v:.3f}" if isinstance(v, float) else f"{k:34s} {v}")

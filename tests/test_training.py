@@ -139,3 +139,19 @@ def test_the_toy_audio_vae_learns_a_hum():
         spectrum_in, spectrum_out = (np.abs(np.fft.rfft(np.asarray(a) * np.hanning(4000))) for a in (hum, out))
         peak = spectrum_in.argmax()
         assert spectrum_out.argmax() == peak and 0.5 < spectrum_out[peak] / spectrum_in[peak] < 1.5
+
+
+def test_the_training_canvas_is_the_engines():
+    """The clips are trained under the canvas rules the engine serves the toy preset with, reference size included
+    (a 2048-px reference per clip made the data preparation of a 1536-clip run take over 5 minutes)."""
+    import numpy as np
+
+    from training.train import prepare, toy_clips, training_canvas
+
+    assert training_canvas(224, 128) == TINY_CANVAS
+    pipe = H3Pipeline.from_preset("tiny")
+    pipe.canvas = training_canvas(96, 64)
+    sample = prepare(pipe, toy_clips(range(1), 96, 64, 0.9, 1))[0]
+    compression = pipe.video_vae.spatial_compression
+    assert tuple(sample["reference"].shape[-2:]) == (128 // compression, 192 // compression)
+    assert np.isfinite(sample["text"]["ref2va"].numpy()).all()

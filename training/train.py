@@ -45,6 +45,7 @@ from engine.models.h3.vae import (IMAGENET_MEAN, IMAGENET_STD, TINY_TILE_OVERLAP
                                   AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae, save_audio_vae_file,
                                   save_video_vae_file)
 from training.captions import caption
+from training.guidance import GuidedDiT, guided
 from training.scoring import score_clip
 from training.toy_scene import sample_scene
 from training.toy_world import render
@@ -58,6 +59,7 @@ EVAL_SEED = 10_000_000  # scenes from here on are never trained on
 TASKS = {"t2va": 0.4, "first": 0.15, "first_last": 0.1, "edit": 0.2, "extend": 0.15, "ref2va": 0.1}
 REF_AUDIO_SECONDS = 2.0  # ref2va: the sound reference, the clip's first seconds
 EMA = 0.995
+CAPTION_DROP = 0.1  # share of prompts zeroed: the unconditional branch a guided teacher needs
 AUDIO_LR, AUDIO_WARMUP = 3e-4, 100
 AUDIO_WAVE_WEIGHT, AUDIO_SPECTRAL_WEIGHT = 100.0, 0.3  # waveform MSE (it teaches the hum's phase) + spectra
 TOKEN_PX = 32  # a DiT video token's square of pixels: the video VAE's 16x times the 2x2 patch
@@ -299,14 +301,16 @@ def extension_rows(T: int, rng) -> tuple[int, int, float]:
     return overlap, round(frames * L.AUDIO_LATENTS_PER_SECOND / L.FPS), float(rng.integers(0, 15 * L.FPS))
 
 
-def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator) -> torch.Tensor:
+def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, caption_drop: float = 0.0,
+             teacher=None, guidance: float = 1.0) -> torch.Tensor:
     """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
     the source outside a box at the condition level (edit), the window's first latents noised to the condition
     level with its clean audio, on a shifted clock (extension), an image reference (the clip's middle frame at the
     reference size) noised likewise and a clean sound reference (its first seconds), the prompt presenting both
-    (ref2va)."""
+    (ref2va). With a `teacher`, the target is its velocity guided by `guidance` (training/guidance.py), else the
+    flow's, with a `caption_drop` share of the prompts zeroed."""
     device = batch[0]["video"].device
     x0v = L.patchify(torch.stack([b["video"] for b in batch]))
     x0a = L.pack_audio(torch.stack([b["audio"] for b in batch]))
@@ -356,13 +360,23 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator) -> to
             weight = weight * q
     layout = layout.to(device)
     timestep, idx = L.row_timesteps(layout, t_video, 1 - s_a, t_text=1 - s_v)
-    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-        v_out, a_out = dit(torch.cat([cond_v, xv], dim=1), torch.cat([cond_a, xa], dim=1), text, timestep.to(device),
-                           idx.to(device), layout.token_tags, layout.position_ids, layout.video_indices,
-                           layout.audio_indices, layout.text_indices)
-    v_err = (v_out[:, cond_v.shape[1]:].float() - (x0v - ev)).pow(2).mean(-1)
+    rows = (timestep.to(device), idx.to(device), layout.token_tags, layout.position_ids, layout.video_indices,
+            layout.audio_indices, layout.text_indices)
+    video, audio = torch.cat([cond_v, xv], dim=1), torch.cat([cond_a, xa], dim=1)
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
+    if teacher is None:  # flow matching; the dropped captions teach the unconditional branch
+        kept = (torch.rand(len(batch), generator=gen) >= caption_drop).to(device, text.dtype)
+        text = text * kept[:, None, None]
+        target_v, target_a = x0v - ev, x0a - ea
+    else:  # guidance distillation: the teacher's guided velocity in one forward
+        with torch.no_grad(), autocast:
+            target_v, target_a = guided(teacher, guidance, video, audio, text, *rows)
+        target_v, target_a = target_v[:, cond_v.shape[1]:], target_a[:, cond_a.shape[1]:]
+    with autocast:
+        v_out, a_out = dit(video, audio, text, *rows)
+    v_err = (v_out[:, cond_v.shape[1]:].float() - target_v).pow(2).mean(-1)
     video_loss = (v_err * weight).sum() / weight.sum().clamp(min=1)
-    return video_loss + F.mse_loss(a_out[:, cond_a.shape[1]:].float(), x0a - ea)
+    return video_loss + F.mse_loss(a_out[:, cond_a.shape[1]:].float(), target_a)
 
 
 @torch.no_grad()
@@ -410,6 +424,13 @@ def prepare(pipe: H3Pipeline, clips, batch: int = 64) -> list[dict]:
     return out
 
 
+def training_canvas(width: int, height: int) -> Canvas:
+    """The canvas rules of the clips trained on: at 224x128 the engine's embedded canvas (TINY_CANVAS), image
+    references included (their "2048" short edge is twice the canvas's; the release's 2048 made every clip's
+    reference a 3584x2048 picture and the encoding of 1536 clips take over 5 minutes)."""
+    return Canvas(short_edge=height, max_pixels=height * width, default_steps=8, reference_short_edge=2 * height)
+
+
 def reference_picture(clip, canvas: Canvas) -> np.ndarray:
     """A clip's middle frame as the engine sizes an image reference ("diffusers" mode)."""
     frame = clip[0][len(clip[0]) // 2]
@@ -447,29 +468,36 @@ def by_caption_length(pipe: H3Pipeline, data: list[dict]) -> list[list[int]]:
     return list(groups.values())
 
 
-def evaluate(pipe: H3Pipeline, scenes, steps: int) -> dict:
+def evaluate(pipe: H3Pipeline, scenes, steps: int, guidance: float = 1.0) -> dict:
     """t2va on held-out captions, scored from the decoded frames and sound alone: the share of clips passing
-    each check, and all of them."""
-    pipe.dit.eval()
+    each check, and all of them; with `guidance` != 1, sampled from the guided DiT (two branches a step)."""
+    dit = pipe.dit.eval()
+    if guidance != 1:
+        pipe.dit = GuidedDiT(dit, guidance)
     width, height = pipe.canvas.max_pixels // pipe.canvas.short_edge, pipe.canvas.short_edge
     passed, checks = 0, {}
-    for scene in scenes:
-        result = pipe.generate(GenerateRequest(prompt=caption(scene), seed=scene.seed, steps=steps, width=width,
-                                               height=height))
-        verdict = score_clip(result.frames.numpy(), np.asarray(result.audio), scene)["checks"]
-        passed += all(verdict.values())
-        for name, ok in verdict.items():
-            checks[name] = checks.get(name, 0) + bool(ok)
-    pipe.dit.train()
-    return {"t2va_pass": passed / len(scenes), **{f"{k}_rate": v / len(scenes) for k, v in checks.items()}}
+    try:
+        for scene in scenes:
+            result = pipe.generate(GenerateRequest(prompt=caption(scene), seed=scene.seed, steps=steps, width=width,
+                                                   height=height))
+            verdict = score_clip(result.frames.numpy(), np.asarray(result.audio), scene)["checks"]
+            passed += all(verdict.values())
+            for name, ok in verdict.items():
+                checks[name] = checks.get(name, 0) + bool(ok)
+    finally:
+        pipe.dit = dit.train()
+    return {"guidance": guidance, "t2va_pass": passed / len(scenes),
+            **{f"{k}_rate": v / len(scenes) for k, v in checks.items()}}
 
 
 def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, log: Log, rng, gen, eval_scenes,
-              eval_every: int, lr: float, max_steps=None) -> None:
+              eval_every: int, lr: float, max_steps=None, caption_drop: float = CAPTION_DROP, guidance: float = 1.0,
+              eval_guidance=(1.0,)) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
-    exponential moving average."""
+    exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
+    teacher = copy.deepcopy(dit).eval().requires_grad_(False) if guidance != 1 else None
     params = list(dit.parameters())
     ema = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=pipe.device.type == "cuda")
@@ -487,7 +515,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
             task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
             group = groups[int(rng.choice(len(groups), p=sizes / sizes.sum()))]
             picks = [group[int(i)] for i in rng.integers(len(group), size=batch)]
-        loss = dit_loss(dit, [data[i] for i in picks], task, rng, gen)
+        loss = dit_loss(dit, [data[i] for i in picks], task, rng, gen, caption_drop, teacher, guidance)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -505,7 +533,9 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     with torch.no_grad():
         for p, e in zip(params, ema):
             p.copy_(e)
-    log("eval", step + 1, None, **evaluate(pipe, eval_scenes[:1] if max_steps else eval_scenes, 3 if max_steps else 9))
+    for scale in eval_guidance:
+        log("eval", step + 1, None, **evaluate(pipe, eval_scenes[:1] if max_steps else eval_scenes,
+                                               3 if max_steps else 9, scale))
     dit.eval().requires_grad_(False)
 
 
@@ -544,6 +574,14 @@ def main(argv=None) -> int:
     p.add_argument("--eval-every", type=int, default=2000, help="DiT steps between held-out evaluations")
     p.add_argument("--batch", type=int, default=32, help="DiT clips per step (of one caption length)")
     p.add_argument("--lr", type=float, default=3e-4, help="DiT learning rate (cosine to a tenth over the budget)")
+    p.add_argument("--caption-drop", type=float, default=CAPTION_DROP,
+                   help="share of the DiT's prompts zeroed (teaches the unconditional branch guidance needs)")
+    p.add_argument("--guidance", type=float, default=1.0,
+                   help="distill: the DiT learns, in one forward, its starting self guided by this scale "
+                        "(training/guidance.py; the starting DiT must have trained with --caption-drop)")
+    p.add_argument("--eval-guidance", type=float, nargs="+", default=[1.0],
+                   help="the final held-out evaluation at each of these guidance scales (1: the plain DiT)")
+    p.add_argument("--eval-scenes", type=int, default=4, help="held-out captions of the DiT's evaluations")
     p.add_argument("--smoke", action="store_true", help="CPU check: tiny canvas, a few steps of each stage")
     args = p.parse_args(argv)
     deadline = time.monotonic() + args.minutes * 60 - FINISH_S
@@ -571,14 +609,14 @@ def main(argv=None) -> int:
         conditioner = build_tiny_conditioner(0, TOY.text_dim).to(device)  # frozen
         pipe = H3Pipeline(build_dit(TOY, seed=args.seed, device=device), build_tiny_video_vae(args.seed).to(device),
                           fresh_audio_vae(args.seed).to(device), conditioner,
-                          Canvas(short_edge=height, max_pixels=height * width, default_steps=8), device, "toy")
+                          training_canvas(width, height), device, "toy")
     if args.fresh_dit:
         pipe.dit = build_dit(TOY, seed=args.seed, device=device)
     if args.fresh_audio_vae:
         pipe.audio_vae = fresh_audio_vae(args.seed).to(device)
     if args.fresh_dit or not args.resume:
         text_at_unit_scale(pipe.conditioner)
-    pipe.canvas = Canvas(short_edge=height, max_pixels=height * width, default_steps=8)
+    pipe.canvas = training_canvas(width, height)
     pipe.encode_mp4, pipe.adaln_cache = False, None
     shares = {**STAGES, "video_decoder": 1.0, "audio_decoder": 1.0, "latent_rgb": 0.0}
     stage_share = {k: v / max(1e-9, sum(shares[s] for s in args.stages)) for k, v in shares.items()}
@@ -605,9 +643,10 @@ def main(argv=None) -> int:
                         0.1 if args.smoke else 1.0, log, rng, steps_cap, decoder_only=True,
                         envelope_weight=args.audio_envelope)
     if "dit" in args.stages:
-        eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(4)]
+        eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(args.eval_scenes)]
         train_dit(pipe, encoded(pipe, clips, args.cache), stage_budget("dit"),
-                  2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap)
+                  2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
+                  args.caption_drop, args.guidance, args.eval_guidance)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
         log("latent_rgb", 0, bias=str([round(v, 3) for v in pipe.video_vae.latent_rgb[1].tolist()]))
