@@ -64,6 +64,7 @@ class ModelSource:
     # More roots per ComfyUI folder, (folder, directory) pairs (`--model-path`); models_dir's subfolders come first.
     model_paths: tuple[tuple[str, str], ...] = ()
     dit_precision: str = "bf16"  # fp8 / int8: the block GEMMs quantized at load (engine.models.h3.precision)
+    resident_blocks: int = 0  # > 0: the DiT streamed from host memory, this many units on the device
 
     def describe(self) -> str:
         if self.files:
@@ -102,6 +103,8 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
         pipe = H3Pipeline.from_models(source.models_dir, device=ctx.device)
     set_precision(pipe.dit, source.dit_precision)
     pipe.partitions.prepare = lambda dit: set_precision(dit, source.dit_precision)
+    if source.resident_blocks:
+        pipe.stream_blocks(source.resident_blocks)
     if ctx.world_size > 1:
         pipe.adaln_cache.group = ctx.control  # every rank agrees on a hit before using its tables
     attention.set_backend(source.attention)

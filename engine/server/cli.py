@@ -79,6 +79,10 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dit-precision", choices=("bf16", "fp8", "int8"), default="bf16",
                    help="quantize the DiT's block GEMMs at load: fp8 (per-tensor scale) or int8 ConvRot W8A8; "
                         "half the DiT's memory (default bf16: as stored)")
+    p.add_argument("--resident-blocks", type=int, default=0, metavar="K",
+                   help="stream the DiT from (pinned) host memory: its blocks, refiner blocks and AdaLN projections "
+                        "wait there, K of them on the GPU at a time, each copied in while the one before runs "
+                        "(for GPUs smaller than the DiT; output unchanged; FL2VA tasks only for now). 0: all resident")
     p.add_argument("--vsa-sparsity", type=float, default=0.0, metavar="S",
                    help="H3 video sparse attention: fraction of video cubes skipped, e.g. 0.875 (0: dense)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
@@ -163,8 +167,10 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, lambda *_: ignore_hangup())  # a closed terminal must not end a serving engine
     if not 0 <= args.vsa_sparsity < 1:
         raise SystemExit("--vsa-sparsity must be at least 0 and below 1 (e.g. 0.875).")
+    if args.resident_blocks < 0:
+        raise SystemExit("--resident-blocks must be 0 (every block resident) or more.")
     options = dict(attention=None if args.attention == "auto" else args.attention, vsa_sparsity=args.vsa_sparsity,
-                   dit_precision=args.dit_precision)
+                   dit_precision=args.dit_precision, resident_blocks=args.resident_blocks)
     source = model_source(args, **options)
     if source.preset and not args.preset:
         log_event("engine.default_preset", note="no --models or $H3FORGE_MODELS: serving the toy preset "

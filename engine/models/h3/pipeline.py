@@ -27,6 +27,7 @@ from engine.cache.adaln import AdaLNCache
 from engine.cache.prompt import PromptCache, prompt_key
 from engine.kernels import vsa
 from engine.models.h3 import layout as L
+from engine.runtime.streaming import BlockStreamer, dit_units
 from engine.models.h3.checkpoint import load_dit
 from engine.models.h3.conditioner import Conditioner, build_tiny_conditioner
 from engine.models.h3.config import TINY, H3Config
@@ -114,6 +115,7 @@ class H3Pipeline:
         self.vsa_sparsity = 0.0  # fraction of video cubes each video query cube skips (0.875 = top 1/8)
         self.vsa_gates = None  # trained `to_gate_compress` weights per attention module (FastH3 VSA checkpoints)
         self.encode_mp4 = True  # encode the result's MP4 while the VAE decodes (GenerateResult.mp4)
+        self.streamer: BlockStreamer | None = None  # `stream_blocks`: the DiT's blocks live in host memory
 
     @classmethod
     def from_preset(cls, preset: str = "toy", device: str | torch.device = "cpu", seed: int = 0,
@@ -203,6 +205,7 @@ class H3Pipeline:
                 "canvas": {"short_edge": self.canvas.short_edge, "max_pixels": self.canvas.max_pixels},
                 "default_steps": self.canvas.default_steps, "vsa_sparsity": self.vsa_sparsity,
                 "adaln_cache": self.adaln_cache.stats() if self.adaln_cache else None,
+                "streaming": self.streamer.stats() if self.streamer else None,
                 "partitions": self.partitions.describe(),
                 "prompt_cache": self.prompt_cache.stats()}
 
@@ -283,7 +286,19 @@ class H3Pipeline:
 
     def use_partition(self, name: str, on_step=None) -> None:
         """Make `name`'s DiT the active one (engine/models/h3/partitions.py)."""
+        if self.streamer is not None and name != self.partitions.active:
+            raise L.LayoutError(f"This engine streams its DiT blocks from host memory (--resident-blocks), which "
+                                f"the {PARTITIONS[name]} DiT does not do yet: start an engine without "
+                                f"--resident-blocks for {name} jobs.")
         self.dit = self.partitions.activate(name, self.dit, on_step)
+
+    def stream_blocks(self, resident: int) -> None:
+        """Keep the DiT's blocks, refiner blocks and AdaLN projections in host memory, `resident` of them on the
+        device at a time, each copied in a step ahead of its use (engine/runtime/streaming.py); the output is
+        bit-identical. Its AdaLN projections then stay in host memory, so the AdaLN cache keeps its tables only."""
+        self.streamer = BlockStreamer(dit_units(self.dit), self.device, resident)
+        if self.adaln_cache is not None:
+            self.adaln_cache.offload = False
 
     def resolve_lora(self, path: str) -> Path:
         """A LoRA name relative to one of the LoRA roots (the models directory, ComfyUI's loras folders), or a path
@@ -366,9 +381,13 @@ class H3Pipeline:
             on_step(PhaseEvent("denoising", 0, steps - 1 - start, None if stage == "denoising" else stage))
         schedule = self.adaln_cache.schedule(self.dit) if self.adaln_cache else None
         layout = layout.to(self.device)
-        with self.sparse_attention(layout):
-            out = denoise(self.dit, layout, text, video, audio, steps, cond_video, cond_audio, report, schedule,
-                          start)
+        try:
+            with self.sparse_attention(layout):
+                out = denoise(self.dit, layout, text, video, audio, steps, cond_video, cond_audio, report, schedule,
+                              start)
+        finally:
+            if self.streamer is not None:
+                self.streamer.release()  # between jobs the host copies are the weights (LoRA merges land there)
         if schedule:
             schedule.finish()
         return out
