@@ -4,7 +4,8 @@ share of clips passing each check and all of them) and fl2va (PSNR of generated 
 frame, and of the last frame when both keyframes are given), the video VAE's reconstruction and the t2va checks on
 each clip round-tripped through both VAEs (the most a DiT can reach), masked edits of two-object clips (removal,
 replacement, sky repaint) and 5 s -> 15 s extensions (training/task_checks.py), and the
-trained SeedVR2 on degraded 2x clips against their bicubic upscale. Prints a table and writes JSON.
+trained SeedVR2 on degraded 2x clips against their bicubic upscale, and VSA's frames against dense attention's for
+the same seed. Prints a table and writes JSON.
 
     python benchmarks/toy_eval.py --weights engine/weights/toy --captions 20 --out benchmarks/results/toy_eval.json
 """
@@ -29,7 +30,7 @@ from engine.models.h3.request import Source  # noqa: E402
 from engine.models.seedvr2.pipeline import SeedVR2Pipeline  # noqa: E402
 from training.captions import caption  # noqa: E402
 from training.guidance import GuidedDiT  # noqa: E402
-from training.quality import psnr  # noqa: E402
+from training.quality import psnr, ssim  # noqa: E402
 from training.scoring import score_clip  # noqa: E402
 from training.task_checks import (box_masks, extension_checks, removal_checks, repaint_checks,  # noqa: E402
                                   replacement_checks)
@@ -139,6 +140,33 @@ def upscale_rows(args, width: int, height: int) -> dict:
             "seedvr2_gain_db": float(np.mean(ours) - np.mean(bicubic))}
 
 
+def vsa_rows(pipe: H3Pipeline, args, width: int, height: int) -> dict:
+    """The lossy speed option's price on the trained model: t2va with VSA at `--vsa-sparsity` against dense attention
+    for the same caption and seed (PSNR / SSIM of the frames), and whether the clip's checks still agree."""
+    if not args.vsa:
+        return {}
+    rows = []
+    for i in range(args.vsa):
+        scene = sample_scene(EVAL_SEED + i, width, height)
+        req = GenerateRequest(prompt=caption(scene), seed=i, steps=args.steps, width=width, height=height)
+        pipe.vsa_sparsity = 0.0
+        dense = pipe.generate(req)
+        pipe.vsa_sparsity = args.vsa_sparsity
+        try:
+            sparse = pipe.generate(req)
+        finally:
+            pipe.vsa_sparsity = 0.0
+        a, b = dense.frames.numpy(), sparse.frames.numpy()
+        spread = np.unique(np.linspace(0, len(a) - 1, 8).round().astype(int))
+        agree = (score_clip(a, np.asarray(dense.audio), scene)["checks"]
+                 == score_clip(b, np.asarray(sparse.audio), scene)["checks"])
+        rows.append((psnr(b, a), ssim(b[spread], a[spread]), agree))
+        print(f"vsa {i}: {rows[-1][0]:.1f} dB SSIM {rows[-1][1]:.3f} checks agree {agree}", flush=True)
+    psnrs, ssims, agree = zip(*rows)
+    return {"vsa_sparsity": args.vsa_sparsity, "vsa_vs_dense_psnr_median": float(np.median(psnrs)),
+            "vsa_vs_dense_ssim_median": float(np.median(ssims)), "vsa_checks_agree": float(np.mean(agree))}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--weights", type=Path, default=Path("engine/weights/toy"))
@@ -150,6 +178,8 @@ def main() -> int:
                                                        "for the repaint")
     p.add_argument("--extensions", type=int, default=3, help="5 s clips extended to 15 s")
     p.add_argument("--out", default="benchmarks/results/toy_eval.json")
+    p.add_argument("--vsa", type=int, default=4, help="captions generated dense and with VSA (quality rows)")
+    p.add_argument("--vsa-sparsity", type=float, default=0.875)
     p.add_argument("--guidance", type=float, default=1.0,
                    help="sample from the DiT guided by this scale (two branches a step; training/guidance.py): "
                         "what a guidance-distilled DiT aims at")
@@ -194,7 +224,7 @@ def main() -> int:
                    "vae_reconstruction_psnr")},
                **shares(edits, "removal"), **shares(edits, "replace"), **shares(edits, "repaint"),
                **shares(extensions, "extension"),
-               **upscale_rows(args, width, height),
+               **upscale_rows(args, width, height), **vsa_rows(pipe, args, width, height),
                "wall_s": round(time.perf_counter() - t0, 1), "device": args.device, "weights": str(args.weights),
                "guidance": args.guidance}
     print("\n== toy eval (share of clips passing; PSNR in dB) ==")
