@@ -1,6 +1,7 @@
 """Online quantization at load (`serve --dit-precision fp8|int8`): the block GEMMs of a bf16 DiT become fp8 or int8
 ConvRot layers, the rest keeps its dtype, the output stays near the float model's, and a real engine started with
-the flag says so in /v1/status and runs a job; int8 on a model too narrow for ConvRot is refused by name."""
+the flag says so in /v1/status and runs a job; int8 on a model too narrow for ConvRot is refused by name. The same
+for the text encoder's decoder GEMMs (`--text-encoder-precision`), stored quantized and dequantized per layer."""
 
 import asyncio
 import copy
@@ -13,7 +14,7 @@ import torch.nn as nn
 
 from engine.models.h3.config import TINY
 from engine.models.h3.dit import build_dit
-from engine.models.h3.precision import block_gemms, set_precision
+from engine.models.h3.precision import TEXT_ENCODER_GEMMS, block_gemms, set_precision, set_text_encoder_precision
 from engine.quant.fp8 import Fp8Linear
 from engine.quant.int8_convrot import Int8ConvRotLinear
 from engine_fixture import REPO, free_port, start_engine
@@ -53,3 +54,36 @@ def test_engine_with_dit_precision_fp8_reports_it_and_runs_a_job(tmp_path):
                            str(free_port()), "--token-file", str(tmp_path / "t2"), "--dit-precision", "int8"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "int8 ConvRot needs layer inputs in multiples of 256" in proc.stderr
+
+
+def test_text_encoder_gemms_are_stored_in_fp8_and_the_prompt_embedding_stays_close():
+    from engine.models.h3.pipeline import H3Pipeline
+
+    pipe = H3Pipeline.from_preset("tiny")
+    before, _ = pipe.conditioner.encode("a large red ball bounces", [])
+    lm = pipe.conditioner.model.model.language_model
+    float_bytes = sum(p.numel() * p.element_size() for p in lm.layers.parameters())
+    set_text_encoder_precision(pipe.conditioner, "fp8")
+    gemms = [layer.get_submodule(g) for layer in lm.layers for g in TEXT_ENCODER_GEMMS]
+    assert gemms and all(isinstance(g, Fp8Linear) and not g.scaled_mm for g in gemms)  # dequantized per layer
+    quantized_bytes = sum(t.numel() * t.element_size() for t in (*lm.layers.parameters(), *lm.layers.buffers()))
+    assert quantized_bytes < 0.5 * float_bytes  # fp32 on the CPU: the GEMM weights at a quarter
+    after, _ = pipe.conditioner.encode("a large red ball bounces", [])
+    err = ((after - before).norm() / before.norm()).item()
+    print(f"fp8 text encoder: relative error of the prompt embedding vs float32: {err:.4f}")
+    assert 0 < err < 0.06
+    assert pipe.weights_summary() == "H3 tiny (float32) · text encoder fp8 weights dequantized per layer"
+    with pytest.raises(ValueError, match="Unknown text encoder precision 'fp4'"):
+        set_text_encoder_precision(pipe.conditioner, "fp4")
+    narrow = H3Pipeline.from_preset("tiny").conditioner
+    with pytest.raises(ValueError, match="int8 ConvRot needs layer inputs in multiples of 256; "
+                                         "'model.language_model.layers.0.self_attn.q_proj' takes 32"):
+        set_text_encoder_precision(narrow, "int8")
+
+
+def test_engine_with_text_encoder_precision_fp8_says_so_and_runs_a_job(tmp_path):
+    with start_engine(tmp_path, "--text-encoder-precision", "fp8") as engine:
+        status = asyncio.run(engine.client().status())
+        assert status["models"]["summary"] == "H3 tiny (float32) · text encoder fp8 weights dequantized per layer"
+        result = asyncio.run(engine.client().run("t2va", {"prompt": "rain", "steps": 2, "width": 64, "height": 64}))
+        assert result.frames.shape == (124, 64, 64, 3)

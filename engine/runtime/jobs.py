@@ -65,6 +65,7 @@ class ModelSource:
     model_paths: tuple[tuple[str, str], ...] = ()
     dit_precision: str = "bf16"  # fp8 / int8: the block GEMMs quantized at load (engine.models.h3.precision)
     resident_blocks: int = 0  # > 0: the DiT streamed from host memory, this many units on the device
+    text_encoder_precision: str = "bf16"  # fp8 / int8: its decoder GEMMs stored quantized (engine.models.h3.precision)
 
     def describe(self) -> str:
         if self.files:
@@ -93,7 +94,7 @@ class ModelSource:
 
 def load_pipeline(source: ModelSource, ctx: RankContext):
     from engine.models.h3.pipeline import H3Pipeline  # heavy (torch, diffusers): only inside the engine
-    from engine.models.h3.precision import set_precision
+    from engine.models.h3.precision import set_precision, set_text_encoder_precision
 
     if source.preset:
         pipe = H3Pipeline.from_preset(source.preset, device=ctx.device, lora_roots=source.lora_roots())
@@ -102,6 +103,7 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
     else:
         pipe = H3Pipeline.from_models(source.models_dir, device=ctx.device)
     set_precision(pipe.dit, source.dit_precision)
+    set_text_encoder_precision(pipe.conditioner, source.text_encoder_precision)
     pipe.partitions.prepare = lambda dit: set_precision(dit, source.dit_precision)
     if source.resident_blocks:
         pipe.stream_blocks(source.resident_blocks)

@@ -79,6 +79,9 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dit-precision", choices=("bf16", "fp8", "int8"), default="bf16",
                    help="quantize the DiT's block GEMMs at load: fp8 (per-tensor scale) or int8 ConvRot W8A8; "
                         "half the DiT's memory (default bf16: as stored)")
+    p.add_argument("--text-encoder-precision", choices=("bf16", "fp8", "int8"), default="bf16",
+                   help="store the text encoder's decoder GEMMs in fp8 or int8 ConvRot, dequantized per layer as "
+                        "they run (half its memory; default bf16: as stored)")
     p.add_argument("--resident-blocks", type=int, default=0, metavar="K",
                    help="stream the DiT from (pinned) host memory: its blocks, refiner blocks and AdaLN projections "
                         "wait there, K of them on the GPU at a time, each copied in while the one before runs "
@@ -170,7 +173,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.resident_blocks < 0:
         raise SystemExit("--resident-blocks must be 0 (every block resident) or more.")
     options = dict(attention=None if args.attention == "auto" else args.attention, vsa_sparsity=args.vsa_sparsity,
-                   dit_precision=args.dit_precision, resident_blocks=args.resident_blocks)
+                   dit_precision=args.dit_precision, resident_blocks=args.resident_blocks,
+                   text_encoder_precision=args.text_encoder_precision)
     source = model_source(args, **options)
     if source.preset and not args.preset:
         log_event("engine.default_preset", note="no --models or $H3FORGE_MODELS: serving the toy preset "

@@ -217,10 +217,23 @@ class H3Pipeline:
         how = stored + (", pruned" if files and files["dit"]["pruned"] else "")
         how += "" if compute == stored else f"; {compute}"
         dit = f"DiT {files['dit']['name']} ({how})" if files else f"H3 {self.name} ({how})"
+        stored = files["text_encoder"]["format"] if files else None
+        online = self.text_encoder_quantized() if stored in (None, "bf16", "fp16", "fp32") else None
+        text = " · text encoder " + "; ".join(filter(None, (stored, online and f"{online} weights dequantized per "
+                                                                              f"layer")))
         if not files:
-            return dit
-        return (f"{dit} · text encoder {files['text_encoder']['format']} · VAEs {files['video_vae']['format']}/"
-                f"{files['audio_vae']['format']}")
+            return dit + (text if online else "")
+        return f"{dit}{text} · VAEs {files['video_vae']['format']}/{files['audio_vae']['format']}"
+
+    def text_encoder_quantized(self) -> str | None:
+        """fp8 / int8 when the text encoder's decoder GEMMs are stored quantized (`--text-encoder-precision`)."""
+        from engine.quant.fp8 import Fp8Linear
+        from engine.quant.int8_convrot import Int8ConvRotLinear
+
+        if self.conditioner is None:
+            return None
+        layer = self.conditioner.model.model.language_model.layers[0].self_attn.q_proj
+        return {Fp8Linear: "fp8", Int8ConvRotLinear: "int8"}.get(type(layer))
 
     def gemm_compute(self) -> str:
         """How the DiT's block GEMMs run: fp8 / int8 GEMMs, quantized weights dequantized per layer, or a float."""

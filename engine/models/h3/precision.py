@@ -1,7 +1,10 @@
-"""Online quantization of a loaded DiT (`serve --dit-precision fp8|int8`): the four GEMMs of every block (qkv, out,
+"""Online quantization at load. The DiT (`serve --dit-precision fp8|int8`): the four GEMMs of every block (qkv, out,
 fc1, fc2), the same layers the Comfy-Org fp8_scaled / int8_convrot files quantize, become fp8 (per-tensor weight
 scale, `_scaled_mm` where the GPU has FP8) or int8 ConvRot W8A8. Everything else, the fp32 islands included, keeps
-its dtype. Layers a file already stores quantized stay as they are."""
+its dtype. Layers a file already stores quantized stay as they are. The text encoder (`--text-encoder-precision`):
+the seven GEMMs of every decoder layer are stored in fp8 or int8 ConvRot and dequantized per layer as they run, the
+way the int8_convrot text-encoder file runs (ComfyUI runs text encoders at full precision): half its memory, the
+vision tower and the embeddings as they are."""
 
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ from engine.quant.transform import QuantSpec, fuse_swiglu, quantize_linears
 
 PRECISIONS = {"bf16": None, "fp8": "float8_e4m3fn", "int8": "int8_convrot"}
 BLOCK_GEMMS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+TEXT_ENCODER_GEMMS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                      "mlp.up_proj", "mlp.down_proj")
 
 
 def block_gemms(dit: H3DiT) -> list[str]:
@@ -22,19 +27,42 @@ def block_gemms(dit: H3DiT) -> list[str]:
 
 def set_precision(dit: H3DiT, precision: str) -> H3DiT:
     """Quantize the block GEMMs that are still plain nn.Linear; ValueError names what cannot be done."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"Unknown DiT precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
-    fmt = PRECISIONS[precision]
+    fmt = _format(precision, "DiT")
     if fmt is None:
         return dit
-    names = [n for n in block_gemms(dit) if isinstance(dit.get_submodule(n), nn.Linear)]
-    if fmt == "int8_convrot":
-        narrow = [n for n in names if dit.get_submodule(n).in_features % int8_convrot.GROUP]
-        if narrow:
-            raise ValueError(f"int8 ConvRot needs layer inputs in multiples of {int8_convrot.GROUP}; "
-                             f"'{narrow[0]}' takes {dit.get_submodule(narrow[0]).in_features}. Use fp8 for this "
-                             f"model.")
+    names = _plain_linears(dit, block_gemms(dit), fmt)
     quantize_linears(dit, dict.fromkeys(names, QuantSpec(fmt)))
     fuse_swiglu(dit, SwiGLU)
     bump_weights_version(dit)
     return dit
+
+
+def set_text_encoder_precision(conditioner, precision: str) -> None:
+    """Store the decoder layers' GEMMs of the conditioner's Qwen3-VL quantized, dequantized per layer as they run;
+    the layers a file already stores quantized stay as they are."""
+    fmt = _format(precision, "text encoder")
+    if fmt is None:
+        return
+    model = conditioner.model
+    layers = len(model.model.language_model.layers)
+    names = [f"model.language_model.layers.{i}.{gemm}" for i in range(layers) for gemm in TEXT_ENCODER_GEMMS]
+    names = _plain_linears(model, names, fmt)
+    quantize_linears(model, dict.fromkeys(names, QuantSpec(fmt, full_precision=True)))
+
+
+def _format(precision: str, what: str) -> str | None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"Unknown {what} precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
+    return PRECISIONS[precision]
+
+
+def _plain_linears(model: nn.Module, names: list[str], fmt: str) -> list[str]:
+    """The named layers still plain nn.Linear; ValueError when int8 ConvRot cannot take one."""
+    names = [n for n in names if isinstance(model.get_submodule(n), nn.Linear)]
+    if fmt == "int8_convrot":
+        narrow = [n for n in names if model.get_submodule(n).in_features % int8_convrot.GROUP]
+        if narrow:
+            raise ValueError(f"int8 ConvRot needs layer inputs in multiples of {int8_convrot.GROUP}; "
+                             f"'{narrow[0]}' takes {model.get_submodule(narrow[0]).in_features}. Use fp8 for this "
+                             f"model.")
+    return names
