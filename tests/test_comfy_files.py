@@ -176,16 +176,6 @@ def test_pruned_file_with_time_embedder_is_refused(full, pruned, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- quantized layers
 
-def test_capability_selection():
-    assert not fp8.fp8_compute("cpu", None)
-    assert not fp8.fp8_compute("cuda", (8, 0)) and not fp8.fp8_compute("cuda", (8, 6))
-    assert fp8.fp8_compute("cuda", (8, 9)) and fp8.fp8_compute("cuda", (9, 0)) and fp8.fp8_compute("cuda", (12, 0))
-    assert int8_convrot.int8_compute("cpu", None)
-    assert not int8_convrot.int8_compute("cuda", (7, 0))
-    assert int8_convrot.int8_compute("cuda", (7, 5)) and int8_convrot.int8_compute("cuda", (9, 0))
-    assert not int8_convrot.int8_compute("mps", None)
-
-
 def test_regular_hadamard_is_not_sylvester():
     h = int8_convrot.hadamard(256, torch.float64)
     assert torch.equal(h, h.T) and torch.allclose(h @ h, torch.eye(256, dtype=torch.float64))

@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import capability
+
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _BACKENDS: dict[str, AttentionFn] = {}
@@ -73,7 +75,7 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _fa3_available(device: torch.device) -> bool:
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+    if not capability.fa3(capability.capability(device)):
         return False
     try:
         import fa3_fwd_interface  # noqa: F401  (the `fa3-fwd` wheel: FlashAttention-3 forward, Hopper only)

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.kernels import capability
+
 
 @functools.cache
 def _have_triton() -> bool:
@@ -26,8 +28,10 @@ def _have_triton() -> bool:
 
 
 def _triton(x: torch.Tensor) -> bool:
-    """The Triton kernels are forward-only: under autograd (training) the torch path runs."""
-    return x.is_cuda and _have_triton() and not torch.is_grad_enabled()
+    """The Triton kernels are forward-only: under autograd (training) the torch path runs. They compute in bf16's
+    range (SM 8.0 on)."""
+    return (x.is_cuda and _have_triton() and not torch.is_grad_enabled()
+            and capability.fused_triton(capability.capability(x.device)))
 
 
 def modulated_rms_norm(x: torch.Tensor, norm: nn.RMSNorm, shift: torch.Tensor, scale: torch.Tensor,

@@ -12,15 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.kernels import fused
+from engine.kernels import capability, fused
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-
-
-def fp8_compute(device_type: str, capability: tuple[int, int] | None) -> bool:
-    """Whether fp8 GEMMs run natively: CUDA at SM 8.9 (Ada) or newer."""
-    return device_type == "cuda" and capability is not None and tuple(capability) >= (8, 9)
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +53,7 @@ class Fp8Linear(nn.Module):
         """`input_act="swiglu"`: x holds fc1's [gate; value] output and fc2 computes on its SwiGLU."""
         if self.scaled_mm is None:
             d = x.device
-            self.scaled_mm = fp8_compute(d.type, torch.cuda.get_device_capability(d) if d.type == "cuda" else None)
+            self.scaled_mm = capability.fp8_gemm(d.type, capability.capability(d))
         swiglu = input_act == "swiglu"
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if not self.scaled_mm:

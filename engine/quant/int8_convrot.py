@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.kernels import fused
+from engine.kernels import capability, fused
 
 GROUP = 256
 ROWS_PER_CHUNK = 16384  # bounds the fp32 temporaries of the activation quantizer and the rescale
@@ -73,13 +73,6 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, group: int, dtype: t
     return rotate(q.float() * scale.float(), group, sylvester).to(dtype)
 
 
-def int8_compute(device_type: str, capability: tuple[int, int] | None) -> bool:
-    """Whether the exact int8 GEMM (`torch._int_mm`) runs: on the CPU, and on CUDA from SM 7.5 (Turing)."""
-    if device_type == "cpu":
-        return True
-    return device_type == "cuda" and capability is not None and tuple(capability) >= (7, 5)
-
-
 def _quantize_rows_fast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda and fused._have_triton():
         from engine.quant import quant_triton
@@ -105,9 +98,9 @@ def quantize_activation(x: torch.Tensor, group: int, swiglu: bool = False) -> tu
 
 def int8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                 out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """(xq · wqᵀ exact in int32) · x_scale · w_scaleᵀ (+ bias): one Triton kernel on CUDA, else `torch._int_mm`
+    """(xq · wqᵀ exact in int32) · x_scale · w_scaleᵀ (+ bias): one Triton kernel on Hopper, else `torch._int_mm`
     (which wants more than 16 rows: M is padded to >= 32) and a rescale, chunk by chunk."""
-    if xq.is_cuda and fused._have_triton():
+    if xq.is_cuda and fused._have_triton() and capability.tma(capability.capability(xq.device)):
         from engine.quant import quant_triton
 
         return quant_triton.int8_linear(xq, x_scale, wq, w_scale, bias, out_dtype)
@@ -139,7 +132,7 @@ class Int8ConvRotLinear(nn.Module):
         inside the activation quantizer chunk by chunk."""
         if self.int_mm is None:
             d = x.device
-            self.int_mm = int8_compute(d.type, torch.cuda.get_device_capability(d) if d.type == "cuda" else None)
+            self.int_mm = capability.int8_gemm(d.type, capability.capability(d))
         lead = x.shape[:-1]
         bias = None if self.bias is None else self.bias.to(x.dtype)
         swiglu = input_act == "swiglu"

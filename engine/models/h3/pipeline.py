@@ -25,7 +25,7 @@ from PIL import Image
 
 from engine.cache.adaln import AdaLNCache
 from engine.cache.prompt import PromptCache, prompt_key
-from engine.kernels import vsa
+from engine.kernels import attention, capability, fused, vsa
 from engine.models.h3 import layout as L
 from engine.runtime.streaming import BlockStreamer, dit_units
 from engine.models.h3.checkpoint import load_dit
@@ -205,9 +205,14 @@ class H3Pipeline:
                 "canvas": {"short_edge": self.canvas.short_edge, "max_pixels": self.canvas.max_pixels},
                 "default_steps": self.canvas.default_steps, "vsa_sparsity": self.vsa_sparsity,
                 "adaln_cache": self.adaln_cache.stats() if self.adaln_cache else None,
-                "streaming": self.streamer.stats() if self.streamer else None,
+                "streaming": self.streamer.stats() if self.streamer else None, "kernels": self.kernels(),
                 "partitions": self.partitions.describe(),
                 "prompt_cache": self.prompt_cache.stats()}
+
+    def kernels(self) -> dict:
+        """What each path runs on this device (engine/kernels/capability.py)."""
+        return capability.kernel_choices(self.device.type, capability.capability(self.device),
+                                         "fa3" in attention.backends(self.device), fused._have_triton())
 
     def weights_summary(self) -> str:
         """One line for the node status line and the dashboard: which files, formats and compute precisions."""
@@ -237,16 +242,16 @@ class H3Pipeline:
 
     def gemm_compute(self) -> str:
         """How the DiT's block GEMMs run: fp8 / int8 GEMMs, quantized weights dequantized per layer, or a float."""
-        from engine.quant.fp8 import Fp8Linear, fp8_compute
-        from engine.quant.int8_convrot import Int8ConvRotLinear, int8_compute
+        from engine.quant.fp8 import Fp8Linear
+        from engine.quant.int8_convrot import Int8ConvRotLinear
 
         layer = self.dit.blocks[0].attn.qkv_proj
         d = self.device
-        capability = torch.cuda.get_device_capability(d) if d.type == "cuda" else None
+        cap = capability.capability(d)
         if isinstance(layer, Fp8Linear):
-            return "fp8 GEMMs" if fp8_compute(d.type, capability) else "fp8 weights dequantized per layer"
+            return "fp8 GEMMs" if capability.fp8_gemm(d.type, cap) else "fp8 weights dequantized per layer"
         if isinstance(layer, Int8ConvRotLinear):
-            return "int8 W8A8" if int8_compute(d.type, capability) else "int8 weights dequantized per layer"
+            return "int8 W8A8" if capability.int8_gemm(d.type, cap) else "int8 weights dequantized per layer"
         return str(layer.weight.dtype).removeprefix("torch.")
 
     # ---- request rules -------------------------------------------------------------------------------------
@@ -406,8 +411,9 @@ class H3Pipeline:
         return out
 
     def sparse_attention(self, layout: L.PackedLayout):
-        """VSA over the target video rows at `self.vsa_sparsity` (0: dense attention, exactly)."""
-        if self.vsa_sparsity <= 0:
+        """VSA over the target video rows at `self.vsa_sparsity` (0: dense attention, exactly). Its kernels need
+        Hopper: an older GPU runs dense attention (`kernels` in /v1/status says so)."""
+        if self.vsa_sparsity <= 0 or self.kernels()["vsa"] == "dense":
             return contextlib.nullcontext()
         plan = vsa.build_plan(layout, self.dit.config.patch_size[1:])
         return vsa.active(plan, vsa.topk_for_sparsity(self.vsa_sparsity, plan.num_cubes), self.vsa_gates)
