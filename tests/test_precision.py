@@ -44,12 +44,18 @@ def test_int8_on_a_model_too_narrow_for_convrot_is_refused():
         set_precision(build_dit(TINY), "int8")
 
 
-def test_engine_with_dit_precision_fp8_reports_it_and_runs_a_job(tmp_path):
-    with start_engine(tmp_path, "--dit-precision", "fp8") as engine:
+@pytest.mark.parametrize("flag, summary", [
+    ("--dit-precision", "H3 tiny (float32; fp8 weights dequantized per layer)"),
+    ("--text-encoder-precision", "H3 tiny (float32) · text encoder fp8 weights dequantized per layer")])
+def test_engine_with_fp8_reports_it_and_runs_a_job(tmp_path, flag, summary):
+    with start_engine(tmp_path, flag, "fp8") as engine:
         status = asyncio.run(engine.client().status())
-        assert status["models"]["summary"] == "H3 tiny (float32; fp8 weights dequantized per layer)"
+        assert status["models"]["summary"] == summary
         result = asyncio.run(engine.client().run("t2va", {"prompt": "rain", "steps": 2, "width": 64, "height": 64}))
         assert result.frames.shape == (124, 64, 64, 3)
+
+
+def test_engine_with_dit_precision_int8_on_a_narrow_model_exits_with_the_reason(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "engine", "serve", "--preset", "tiny", "--device", "cpu", "--port",
                            str(free_port()), "--token-file", str(tmp_path / "t2"), "--dit-precision", "int8"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -79,11 +85,3 @@ def test_text_encoder_gemms_are_stored_in_fp8_and_the_prompt_embedding_stays_clo
     with pytest.raises(ValueError, match="int8 ConvRot needs layer inputs in multiples of 256; "
                                          "'model.language_model.layers.0.self_attn.q_proj' takes 32"):
         set_text_encoder_precision(narrow, "int8")
-
-
-def test_engine_with_text_encoder_precision_fp8_says_so_and_runs_a_job(tmp_path):
-    with start_engine(tmp_path, "--text-encoder-precision", "fp8") as engine:
-        status = asyncio.run(engine.client().status())
-        assert status["models"]["summary"] == "H3 tiny (float32) · text encoder fp8 weights dequantized per layer"
-        result = asyncio.run(engine.client().run("t2va", {"prompt": "rain", "steps": 2, "width": 64, "height": 64}))
-        assert result.frames.shape == (124, 64, 64, 3)
