@@ -27,7 +27,6 @@ from engine.cache.adaln import AdaLNCache
 from engine.cache.prompt import PromptCache, prompt_key
 from engine.kernels import attention, capability, fused, vsa
 from engine.models.h3 import layout as L
-from engine.runtime.streaming import BlockStreamer, dit_units
 from engine.models.h3.checkpoint import load_dit
 from engine.models.h3.conditioner import Conditioner, build_tiny_conditioner
 from engine.models.h3.config import TINY, H3Config
@@ -40,6 +39,7 @@ from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, Gen
                                       RefineRequest, StepEvent)
 from engine.models.h3.vae import AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae
 from engine.models.phases import Phase, PhaseEvent
+from engine.runtime.streaming import BlockStreamer, dit_units
 
 KEYFRAME_NOISE_AUG = L.CONDITION_TIMESTEP
 
@@ -222,13 +222,12 @@ class H3Pipeline:
         how = stored + (", pruned" if files and files["dit"]["pruned"] else "")
         how += "" if compute == stored else f"; {compute}"
         dit = f"DiT {files['dit']['name']} ({how})" if files else f"H3 {self.name} ({how})"
-        stored = files["text_encoder"]["format"] if files else None
-        online = self.text_encoder_quantized() if stored in (None, "bf16", "fp16", "fp32") else None
-        text = " · text encoder " + "; ".join(filter(None, (stored, online and f"{online} weights dequantized per "
-                                                                              f"layer")))
+        text_format = files["text_encoder"]["format"] if files else None
+        online = self.text_encoder_quantized() if text_format in (None, "bf16", "fp16", "fp32") else None
+        text = "; ".join(filter(None, (text_format, online and f"{online} weights dequantized per layer")))
         if not files:
-            return dit + (text if online else "")
-        return f"{dit}{text} · VAEs {files['video_vae']['format']}/{files['audio_vae']['format']}"
+            return dit + (f" · text encoder {text}" if text else "")
+        return f"{dit} · text encoder {text} · VAEs {files['video_vae']['format']}/{files['audio_vae']['format']}"
 
     def text_encoder_quantized(self) -> str | None:
         """fp8 / int8 when the text encoder's decoder GEMMs are stored quantized (`--text-encoder-precision`)."""
