@@ -4,7 +4,8 @@ Between attention calls each of P ranks holds one contiguous shard of the packed
 every per-row input (RoPE positions, AdaLN row addresses) is sharded alongside. Around attention one all-to-all
 turns the sequence shards of q, k, v into head shards of the whole sequence, [B, S, H/P, D], and a second one
 turns the output back. The attention function therefore sees every row of its heads, so the dense dispatch or a
-sparse plan that reorders rows (VSA) runs there unchanged. P must divide the head count (56 heads: 1, 2, 4, 7, 8).
+sparse plan that reorders rows (VSA) runs there unchanged. P must divide the head count (56 heads: 1, 2, 4, 7, 8); under
+tensor parallelism, the heads left on the rank (engine/parallel/mesh.py).
 
 S need not divide by P: shards are ceil(S/P) rows and the last ones are zero-padded. Pad rows only ride along
 in per-row work; they are cut before attention (never keys) and at the final gather.

@@ -48,7 +48,8 @@ def replace_linears(model: nn.Module, specs: dict[str, QuantSpec]) -> nn.Module:
 
 
 def quantize_linears(model: nn.Module, specs: dict[str, QuantSpec]) -> nn.Module:
-    """Quantize the named nn.Linear modules of a model with real weights (what a file of that format would hold)."""
+    """Quantize the named nn.Linear modules of a model with real weights (what a file of that format would hold); each
+    quantized layer keeps the forward hooks of the one it replaces (tensor parallelism's collectives)."""
     for name, spec in specs.items():
         linear = model.get_submodule(name)
         parent, _, child = name.rpartition(".")
@@ -61,6 +62,7 @@ def quantize_linears(model: nn.Module, specs: dict[str, QuantSpec]) -> nn.Module
             layer.weight, layer.weight_scale = int8_convrot.quantize_weight(linear.weight.detach(), spec.group)
         if linear.bias is not None:
             layer.bias = linear.bias.detach().clone()
+        layer._forward_hooks.update(linear._forward_hooks)
         setattr(model.get_submodule(parent), child, layer)
     return model
 

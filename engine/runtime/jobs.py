@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,11 +31,12 @@ from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, Gen
                                       RefineRequest, Source, StepEvent)
 from engine.models.phases import Phase, PhaseEvent
 from engine.kernels import attention
-from engine.parallel import ulysses
 from engine import protocol
 from engine.protocol import ProtocolError, mask_mismatch
 from engine.runtime.agreement import PeerFailed, StepAgreement
 from engine.runtime.log import log_event
+from engine.runtime.placement import check_job, out_of_memory_message
+from engine.runtime.planner import DoesNotFit
 from engine.runtime.ranks import RankContext
 
 DEFAULT_SAMPLE_RATE = 32000  # of a source given without sound
@@ -63,9 +65,12 @@ class ModelSource:
     files: tuple[tuple[str, str], ...] = ()
     # More roots per ComfyUI folder, (folder, directory) pairs (`--model-path`); models_dir's subfolders come first.
     model_paths: tuple[tuple[str, str], ...] = ()
-    dit_precision: str = "bf16"  # fp8 / int8: the block GEMMs quantized at load (engine.models.h3.precision)
-    resident_blocks: int = 0  # > 0: the DiT streamed from host memory, this many units on the device
+    dit_precision: str = "bf16"  # fp8 / int8: the block GEMMs quantized at load; auto: the memory planner's choice
+    resident_blocks: int = 0  # > 0: the DiT streamed from host memory, at most this many units on the device
+    gpu_memory_gb: float | None = None  # plan for this much per GPU (None: a GPU's own; no plan on a CPU)
+    host_memory_gb: float | None = None  # plan for this much host memory (None: what the host has available)
     text_encoder_precision: str = "bf16"  # fp8 / int8: its decoder GEMMs stored quantized (engine.models.h3.precision)
+    tp: int = 1  # tensor-parallel degree; the ranks / tp groups run Ulysses (engine/parallel/mesh.py)
 
     def describe(self) -> str:
         if self.files:
@@ -93,20 +98,39 @@ class ModelSource:
 
 
 def load_pipeline(source: ModelSource, ctx: RankContext):
+    """The H3 pipeline on this rank. On a GPU (or with --gpu-memory) the memory planner places it: real weights
+    load in host memory first, then the plan's precision, streamed units and the move to the GPU follow."""
     from engine.models.h3.pipeline import H3Pipeline  # heavy (torch, diffusers): only inside the engine
     from engine.models.h3.precision import set_precision, set_text_encoder_precision
+    from engine.parallel.mesh import Parallel, plan
+    from engine.runtime.placement import apply_plan, hardware, plan_engine
 
+    planning = source.gpu_memory_gb is not None or ctx.device.type == "cuda"
+    load_on = torch.device("cpu") if planning and not source.preset else ctx.device  # a preset is small
     if source.preset:
-        pipe = H3Pipeline.from_preset(source.preset, device=ctx.device, lora_roots=source.lora_roots())
+        pipe = H3Pipeline.from_preset(source.preset, device=load_on, lora_roots=source.lora_roots())
     elif source.files:
-        pipe = H3Pipeline.from_files(**dict(source.files), device=ctx.device, lora_roots=source.lora_roots())
+        pipe = H3Pipeline.from_files(**dict(source.files), device=load_on, lora_roots=source.lora_roots())
     else:
-        pipe = H3Pipeline.from_models(source.models_dir, device=ctx.device)
-    set_precision(pipe.dit, source.dit_precision)
+        pipe = H3Pipeline.from_models(source.models_dir, device=load_on)
+    # The TP and Ulysses groups; ValueError, naming what is possible, for a --tp these ranks cannot run.
+    pipe.parallel = Parallel.build(plan(ctx.world_size, source.tp, pipe.dit.config), ctx.group)
     set_text_encoder_precision(pipe.conditioner, source.text_encoder_precision)
-    pipe.partitions.prepare = lambda dit: set_precision(dit, source.dit_precision)
-    if source.resident_blocks:
-        pipe.stream_blocks(source.resident_blocks)
+    precision = source.dit_precision
+    if planning:
+        planned = plan_engine(pipe, hardware(ctx.device, ctx.world_size, source.gpu_memory_gb,
+                                             source.host_memory_gb), precision, source.resident_blocks,
+                             pipe.parallel.mesh.tp)
+        pipe.parallel.shard(pipe.dit)  # in host memory: the GPU only ever holds this rank's part
+        apply_plan(pipe, planned, ctx.device)
+        precision = planned.plan.precision
+        log_event("engine.memory_plan", plan=planned.describe())
+    quantized = precision if precision in ("fp8", "int8") else "bf16"  # bf16: the stored float weights
+    if not planning:
+        set_precision(pipe.parallel.shard(pipe.dit), quantized)
+        if source.resident_blocks:
+            pipe.stream_blocks(source.resident_blocks)
+    pipe.partitions.prepare = lambda dit: set_precision(pipe.parallel.shard(dit), quantized)
     if ctx.world_size > 1:
         pipe.adaln_cache.group = ctx.control  # every rank agrees on a hit before using its tables
     attention.set_backend(source.attention)
@@ -134,12 +158,10 @@ def speed_options(pipe, params: dict, device: torch.device):
             pipe.vsa_sparsity = engine_sparsity
 
 
-def sequence_parallel(pipeline, ctx: RankContext):
-    """Ulysses over all ranks when the head count allows it; otherwise every rank runs the whole sequence."""
-    dit = getattr(pipeline, "dit", None)
-    if ctx.world_size > 1 and dit is not None and dit.config.num_attention_heads % ctx.world_size == 0:
-        return ulysses.parallel(ctx.group)
-    return contextlib.nullcontext()
+def sequence_parallel(pipeline):
+    """Ulysses over the pipeline's sequence-parallel group (engine/parallel/mesh.py), if it has one."""
+    parallel = getattr(pipeline, "parallel", None)
+    return parallel.sequence_parallel() if parallel is not None else contextlib.nullcontext()
 
 
 def load_upscaler(source: ModelSource, ctx: RankContext, model: str, on_loaded=None):
@@ -257,6 +279,11 @@ class JobRunner:
     def __init__(self, ctx: RankContext, pipeline, models: ModelSource | None = None):
         self.ctx, self.pipeline, self.models = ctx, pipeline, models  # models: where SeedVR2 comes from
         self._upscaler: tuple[str, object] | None = None  # (model, SeedVR2Pipeline), loaded on first upscale
+        # Fault injection for the reliability tests, "STEP@JOB": the JOB-th job (from 1) runs out of memory at
+        # denoise step STEP.
+        step, _, job = os.environ.get("H3FORGE_INJECT_OOM", "").partition("@")
+        self.inject_oom = (int(step), int(job or 1)) if step else None
+        self.jobs_run = 0
 
     def run(self, spec: JobSpec, cancel: threading.Event | None = None,
             on_step: Callable[[StepEvent | PhaseEvent], None] | None = None) -> GenerateResult:
@@ -265,9 +292,14 @@ class JobRunner:
         if self.ctx.rank == 0 and self.ctx.world_size > 1:
             dist.broadcast_object_list([spec], src=0, group=self.ctx.control)
         agreement = StepAgreement(self.ctx, cancel)
+        self.jobs_run += 1
 
         def step_boundary(event: StepEvent | PhaseEvent) -> None:
             if isinstance(event, StepEvent):
+                if self.inject_oom == (event.step, self.jobs_run):
+                    held = torch.ones(64 * 2**20, dtype=torch.uint8, device=self.ctx.device)  # what the job had
+                    raise torch.OutOfMemoryError(f"out of memory: tried to allocate 2.00 GiB with {held.numel()} "
+                                                 f"bytes held (injected by H3FORGE_INJECT_OOM)")
                 agreement.at_step(event.step, event.total)
             elif event.collective:
                 agreement.at_boundary(f"while {event.stage}" + (f" ({event.detail})" if event.detail else "")
@@ -287,11 +319,22 @@ class JobRunner:
         if spec.task == "upscale":
             return self.upscale(spec.params, job_source(spec, on_step), on_step)
         self.pipeline.encode_mp4 = spec.mp4 and self.ctx.rank == 0
-        with speed_options(self.pipeline, spec.params, self.ctx.device), sequence_parallel(self.pipeline, self.ctx):
-            if spec.task in ("t2va", "fl2va", "ref2va"):
-                return self.pipeline.generate(generate_request(spec), on_step=on_step)
-            source = job_source(spec, on_step)
-            return getattr(self.pipeline, spec.task)(SOURCE_REQUESTS[spec.task](spec, source), on_step=on_step)
+        generation = generate_request(spec) if spec.task in ("t2va", "fl2va", "ref2va") else None
+        if generation is not None:
+            check_job(self.pipeline, generation)  # DoesNotFit before any work
+        try:
+            with speed_options(self.pipeline, spec.params, self.ctx.device), \
+                    sequence_parallel(self.pipeline):
+                if generation is not None:
+                    return self.pipeline.generate(generation, on_step=on_step)
+                source = job_source(spec, on_step)
+                return getattr(self.pipeline, spec.task)(SOURCE_REQUESTS[spec.task](spec, source), on_step=on_step)
+        except torch.OutOfMemoryError:
+            pass  # raised again below, out of this handler: its traceback (and the tensors it holds) freed first
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        raise DoesNotFit(out_of_memory_message(self.pipeline, generation))
 
     def upscaler(self, model: str, on_step=None):
         """The SeedVR2 pipeline for `model`, loaded on first use (a boundary, "loading", after each component);
@@ -333,10 +376,9 @@ class JobRunner:
         models = describe() if describe is not None else None
         if models is not None and self._upscaler is not None:
             models = {**models, "upscaler": self._upscaler[1].describe()}
-        if models is not None and self.ctx.world_size > 1:
-            sp = sequence_parallel(self.pipeline, self.ctx)
-            models["parallel"] = (f"ulysses x{self.ctx.world_size}" if not isinstance(sp, contextlib.nullcontext)
-                                  else f"replicated on {self.ctx.world_size} ranks")
+        parallel = getattr(self.pipeline, "parallel", None)
+        if models is not None and parallel is not None and self.ctx.world_size > 1:
+            models["parallel"] = parallel.mesh.describe()  # e.g. "tensor parallel x2 · ulysses x2"
         return models
 
     def shutdown(self) -> None:

@@ -163,6 +163,12 @@ class BlockStreamer:
                 _set(*slot, host.to(self.device))
 
 
+def move_unstreamed(model: nn.Module, units: list[nn.Module], device: torch.device) -> None:
+    """Every parameter and buffer of `model` outside the streamed `units` to `device`."""
+    for slot in unit_tensors(model, tuple(units)):
+        _set(*slot, _get(*slot).to(device))
+
+
 def dit_units(dit: nn.Module) -> list[tuple[nn.Module, tuple[nn.Module, ...]]]:
     """The H3 DiT's streamed units in the order a step calls them: the refiner blocks, every block's AdaLN
     projection (the step's tables are computed up front), then every block without its projection."""

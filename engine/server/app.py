@@ -5,6 +5,7 @@ give it in its hello."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import time
 from dataclasses import dataclass, field
@@ -101,7 +102,23 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app["service"].status())
+    """`?tensors=1` adds the tensors held since the models loaded (slow: it walks the heap)."""
+    body = request.app["service"].status()
+    if request.query.get("tensors") == "1":
+        body["tensors"] = await asyncio.to_thread(held_tensors)
+    return web.json_response(body)
+
+
+def held_tensors() -> dict:
+    """Count and bytes of the tensor storages alive beyond the models: the engine froze the objects it had once
+    its models loaded (gc.freeze), so the collector's generations hold only what jobs and results made since; a
+    failed job must leave this where it was."""
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[(str(obj.device), storage.data_ptr())] = storage.nbytes()
+    return {"count": len(storages), "bytes": sum(storages.values())}
 
 
 async def models(request: web.Request) -> web.Response:

@@ -1,6 +1,6 @@
 """`python -m engine serve`: the engine service. `add_serve_args` registers the subcommand, `run_serve` runs it.
 
-    python -m engine serve [--preset toy | --models DIR] [--host 127.0.0.1] [--port 8190] [--gpus N]
+    python -m engine serve [--preset toy | --models DIR] [--host 127.0.0.1] [--port 8190] [--gpus N] [--tp T]
                            [--device auto|cuda|cpu] [--token-file F] ...
     python -m engine serve --models ComfyUI/models --dit minimax_h3_fl2va_pruned_int8_convrot.safetensors \
         --text-encoder qwen3vl_32b_minimax_h3_int8_convrot.safetensors \
@@ -8,7 +8,8 @@
         --tokenizer-dir ComfyUI/comfy/text_encoders/qwen25_tokenizer
 
 With --gpus N (> 1) this process becomes torchrun's agent and starts N ranks running this same command line;
-rank 0 serves, the others follow (engine.runtime). The token file (default $H3FORGE_TOKEN_FILE or
+rank 0 serves, the others follow (engine.runtime). With --tp T the DiT's weights are split over groups of T
+GPUs and the N/T groups split the sequence (engine/parallel/mesh.py). The token file (default $H3FORGE_TOKEN_FILE or
 ~/.h3forge/token) is created with a random token and mode 0600 on first start; clients on the same host read it.
 """
 
@@ -55,6 +56,10 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=protocol.DEFAULT_PORT)
     p.add_argument("--gpus", type=int, default=1, help="ranks per node, one GPU each (CPU ranks with --device cpu)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the engine (run the same command on each)")
+    p.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor parallelism: T consecutive GPUs share one copy of the DiT's weights (1, 2, 4 or 8 for "
+                        "MiniMax-H3; T must divide the GPUs), the GPUs/T groups split the sequence (Ulysses); "
+                        "default 1: Ulysses over all GPUs")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torchrun rendezvous endpoint, for --nnodes > 1")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: CUDA when a GPU is visible (NCCL between ranks), else CPU (gloo)")
@@ -76,16 +81,24 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
                         "it runs (default: $H3FORGE_MEMORY_CAP_GB, else no cap)")
     p.add_argument("--attention", choices=("auto", "fa3", "cudnn", "flex", "sdpa"), default="auto",
                    help="attention kernel (auto: FA3 on Hopper when installed, else cuDNN on CUDA, SDPA on CPU)")
-    p.add_argument("--dit-precision", choices=("bf16", "fp8", "int8"), default="bf16",
-                   help="quantize the DiT's block GEMMs at load: fp8 (per-tensor scale) or int8 ConvRot W8A8; "
-                        "half the DiT's memory (default bf16: as stored)")
+    p.add_argument("--dit-precision", choices=("auto", "bf16", "fp8", "int8"), default="auto",
+                   help="quantize the DiT's block GEMMs at load: fp8 (per-tensor scale) or int8 ConvRot W8A8, half "
+                        "the DiT's memory; bf16: as stored; auto (default): as stored when it fits the GPU, else the "
+                        "memory planner's choice (as stored on a CPU)")
     p.add_argument("--text-encoder-precision", choices=("bf16", "fp8", "int8"), default="bf16",
                    help="store the text encoder's decoder GEMMs in fp8 or int8 ConvRot, dequantized per layer as "
                         "they run (half its memory; default bf16: as stored)")
     p.add_argument("--resident-blocks", type=int, default=0, metavar="K",
                    help="stream the DiT from (pinned) host memory: its blocks, refiner blocks and AdaLN projections "
-                        "wait there, K of them on the GPU at a time, each copied in while the one before runs "
-                        "(for GPUs smaller than the DiT; output unchanged; FL2VA tasks only for now). 0: all resident")
+                        "wait there, at most K of them on the GPU at a time, each copied in while the one before "
+                        "runs (output unchanged; FL2VA tasks only for now). 0 (default): the memory planner decides "
+                        "on a GPU (all on the GPU when they fit), all resident on a CPU")
+    p.add_argument("--gpu-memory", type=float, metavar="GB",
+                   help="plan for this much memory per GPU (GiB) instead of the GPU's own, e.g. to leave room for "
+                        "other programs; on a CPU engine it turns the memory planner on (for tests)")
+    p.add_argument("--host-memory", type=float, metavar="GB",
+                   help="host memory the plan may use for streamed weights (GiB; default: what the host has "
+                        "available)")
     p.add_argument("--vsa-sparsity", type=float, default=0.0, metavar="S",
                    help="H3 video sparse attention: fraction of video cubes skipped, e.g. 0.875 (0: dense)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
@@ -156,8 +169,8 @@ def _env_float(name: str) -> float | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    if args.gpus < 1 or args.nnodes < 1:
-        raise SystemExit("--gpus and --nnodes must be at least 1.")
+    if args.gpus < 1 or args.nnodes < 1 or args.tp < 1:
+        raise SystemExit("--gpus, --nnodes and --tp must be at least 1.")
     if (args.gpus > 1 or args.nnodes > 1) and not args.rank_worker:
         return launch_ranks(serve_argv(), args.gpus, args.nnodes, args.rdzv_endpoint)
 
@@ -172,9 +185,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--vsa-sparsity must be at least 0 and below 1 (e.g. 0.875).")
     if args.resident_blocks < 0:
         raise SystemExit("--resident-blocks must be 0 (every block resident) or more.")
+    if any(v is not None and v <= 0 for v in (args.gpu_memory, args.host_memory)):
+        raise SystemExit("--gpu-memory and --host-memory are sizes in GiB, above 0.")
     options = dict(attention=None if args.attention == "auto" else args.attention, vsa_sparsity=args.vsa_sparsity,
                    dit_precision=args.dit_precision, resident_blocks=args.resident_blocks,
-                   text_encoder_precision=args.text_encoder_precision)
+                   text_encoder_precision=args.text_encoder_precision, gpu_memory_gb=args.gpu_memory,
+                   host_memory_gb=args.host_memory, tp=args.tp)
     source = model_source(args, **options)
     if source.preset and not args.preset:
         log_event("engine.default_preset", note="no --models or $H3FORGE_MODELS: serving the toy preset "

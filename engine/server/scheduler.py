@@ -31,6 +31,7 @@ from engine.protocol import ProtocolError
 from engine.runtime.agreement import PeerFailed
 from engine.runtime.jobs import JobRunner, JobSpec
 from engine.runtime.log import log_event
+from engine.runtime.planner import DoesNotFit
 from engine.server.preview import frame_jpeg, preview_jpeg
 from engine.server.store import FinishedJob, ResultStore
 
@@ -255,7 +256,7 @@ def describe_failure(exc: BaseException) -> tuple[str, str, str]:
         return "failed", exc.code, exc.message
     if isinstance(exc, ValueError):  # engine.models.h3.layout.LayoutError and other request rules
         return "failed", "invalid_request", str(exc)
-    if isinstance(exc, OverMemoryCap):
+    if isinstance(exc, (OverMemoryCap, DoesNotFit)):
         return "failed", "out_of_memory", str(exc)
     if is_out_of_memory(exc):
         return "failed", "out_of_memory", ("The engine ran out of memory on this job. Try fewer seconds, a smaller "

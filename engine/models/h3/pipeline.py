@@ -39,7 +39,9 @@ from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, Gen
                                       RefineRequest, StepEvent)
 from engine.models.h3.vae import AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae
 from engine.models.phases import Phase, PhaseEvent
-from engine.runtime.streaming import BlockStreamer, dit_units
+from engine.parallel import tensor
+from engine.parallel.mesh import Mesh, Parallel
+from engine.runtime.streaming import BlockStreamer, dit_units, move_unstreamed
 
 KEYFRAME_NOISE_AUG = L.CONDITION_TIMESTEP
 
@@ -116,6 +118,9 @@ class H3Pipeline:
         self.vsa_gates = None  # trained `to_gate_compress` weights per attention module (FastH3 VSA checkpoints)
         self.encode_mp4 = True  # encode the result's MP4 while the VAE decodes (GenerateResult.mp4)
         self.streamer: BlockStreamer | None = None  # `stream_blocks`: the DiT's blocks live in host memory
+        self.text_streamer: BlockStreamer | None = None  # `stream_text_encoder`: its layers live in host memory
+        self.memory_plan = None  # engine.runtime.planner.Plan, when the engine planned its memory
+        self.parallel = Parallel(Mesh(1))  # this rank's TP and Ulysses groups (engine/parallel/mesh.py)
 
     @classmethod
     def from_preset(cls, preset: str = "toy", device: str | torch.device = "cpu", seed: int = 0,
@@ -196,8 +201,9 @@ class H3Pipeline:
     def describe(self) -> dict:
         c = self.dit.config
         formats = sorted({type(m).__name__ for m in self.dit.modules() if hasattr(m, "requantize")})
+        summary = self.weights_summary() + (f" · {self.memory_plan.describe()}" if self.memory_plan else "")
         return {"model": "MiniMax-H3", "weights": self.name, "device": str(self.device),
-                "summary": self.weights_summary(), "files": getattr(self, "files", None),
+                "summary": summary, "files": getattr(self, "files", None),
                 "dit": {"layers": c.num_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
                         "dtype": str(self.dit.dtype).removeprefix("torch."),
                         "adaln": f"curve (pruned, rank {c.time_embed_dim})" if c.curve else "full",
@@ -205,7 +211,9 @@ class H3Pipeline:
                 "canvas": {"short_edge": self.canvas.short_edge, "max_pixels": self.canvas.max_pixels},
                 "default_steps": self.canvas.default_steps, "vsa_sparsity": self.vsa_sparsity,
                 "adaln_cache": self.adaln_cache.stats() if self.adaln_cache else None,
-                "streaming": self.streamer.stats() if self.streamer else None, "kernels": self.kernels(),
+                "streaming": self.streamer.stats() if self.streamer else None,
+                "text_encoder_streaming": self.text_streamer.stats() if self.text_streamer else None,
+                "memory_plan": self.memory_plan.as_dict() if self.memory_plan else None, "kernels": self.kernels(),
                 "partitions": self.partitions.describe(),
                 "prompt_cache": self.prompt_cache.stats()}
 
@@ -317,6 +325,26 @@ class H3Pipeline:
         if self.adaln_cache is not None:
             self.adaln_cache.offload = False
 
+    def stream_text_encoder(self, resident: int) -> None:
+        """Keep the text encoder's decoder layers in host memory, `resident` of them on the device at a time: it
+        runs once a job (and not at all for a cached prompt), so it need not hold the device between jobs."""
+        layers = self.conditioner.model.model.language_model.layers
+        self.text_streamer = BlockStreamer([(layer, ()) for layer in layers], self.device, resident)
+
+    def place(self, device: torch.device, dit_resident: int = 0, text_resident: int = 0) -> None:
+        """Move a pipeline loaded in host memory to `device`; with `dit_resident` / `text_resident` > 0 the DiT's /
+        the text encoder's units wait in pinned host memory, that many on the device at a time, so a model larger
+        than the GPU is never on it whole."""
+        self.device = self.partitions.device = torch.device(device)
+        if dit_resident:
+            self.stream_blocks(dit_resident)
+        if text_resident:
+            self.stream_text_encoder(text_resident)
+        for model, streamer in ((self.dit, self.streamer), (self.conditioner.model, self.text_streamer)):
+            move_unstreamed(model, [u.module for u in streamer.units] if streamer else [], self.device)
+        self.video_vae.to(self.device)
+        self.audio_vae.to(self.device)
+
     def resolve_lora(self, path: str) -> Path:
         """A LoRA name relative to one of the LoRA roots (the models directory, ComfyUI's loras folders), or a path
         inside one; the first root holding the file wins. Without roots any readable path is taken."""
@@ -349,7 +377,8 @@ class H3Pipeline:
                                     f"{PARTITIONS[active]}.")
         try:
             for path, scale in specs:
-                handles.append(merge_lora(self.dit, load_lora(self.resolve_lora(path), self.dit), float(scale)))
+                lora = load_lora(self.resolve_lora(path), tensor.full_width(self.dit))
+                handles.append(merge_lora(self.dit, tensor.shard_lora(self.dit, lora), float(scale)))
             yield
         finally:
             for handle in reversed(handles):
@@ -370,8 +399,12 @@ class H3Pipeline:
         if cached is None:
             if self.conditioner is None:
                 raise RuntimeError("The text conditioner is offloaded and this prompt is not cached.")
-            cached = (self.conditioner.encode_references(prompt, references) if references
-                      else self.conditioner.encode(prompt, list(images)))
+            try:
+                cached = (self.conditioner.encode_references(prompt, references) if references
+                          else self.conditioner.encode(prompt, list(images)))
+            finally:
+                if self.text_streamer is not None:
+                    self.text_streamer.release()
             self.prompt_cache.put(key, *cached)
         text, tags = cached
         return text.to(self.device), tags.cpu()

@@ -1,0 +1,168 @@
+"""The memory plan (engine/runtime/planner.py) applied to the engine: the sizes of a pipeline loaded in host
+memory, this machine's GPU and host memory, the plan carried out (precision, streamed units, the move to the
+GPU), the check of each job before it starts, and the words for a job that ran out of memory anyway."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kernels import capability
+from engine.models.h3 import layout as L
+from engine.runtime.planner import (STREAMED_TEXT_LAYERS, GiB, Hardware, ModelSizes, Plan, Request, plan_job,
+                                    plan_memory, request)
+from engine.runtime.streaming import dit_units, unit_tensors
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def stored_precision(dit) -> str:
+    """fp8 / int8 for a DiT whose block GEMMs are stored quantized, else its float dtype (bf16 / fp32)."""
+    from engine.quant.fp8 import Fp8Linear
+    from engine.quant.int8_convrot import Int8ConvRotLinear
+
+    layer = dit.blocks[0].attn.qkv_proj
+    quantized = {Fp8Linear: "fp8", Int8ConvRotLinear: "int8"}.get(type(layer))
+    return quantized or ("fp32" if dit.dtype == torch.float32 else "bf16")
+
+
+def pipeline_sizes(pipe) -> ModelSizes:
+    """The byte counts the planner needs, read off the loaded models."""
+    dit, c = pipe.dit, pipe.dit.config
+    units = dit_units(dit)
+    unit_params = sum(getattr(owner, name).numel() for module, exclude in units
+                      for owner, name, is_param in unit_tensors(module, exclude) if is_param)
+    other = [getattr(owner, name) for owner, name, _ in unit_tensors(dit, tuple(m for m, _ in units))]
+    text = pipe.conditioner.model
+    return ModelSizes(unit_params=unit_params, units=len(units), dit_other_bytes=_bytes(other),
+                      text_encoder_bytes=_bytes([*text.parameters(), *text.buffers()]),
+                      text_encoder_layers=len(text.model.language_model.layers),
+                      vae_bytes=_bytes([*pipe.video_vae.model.parameters(), *pipe.audio_vae.model.parameters()]),
+                      hidden=c.hidden_size, inner=c.inner_dim, ffn=c.ffn_dim, heads=c.num_attention_heads,
+                      stored=stored_precision(dit))
+
+
+RELEASE_TEXT_ENCODER = (62 * GiB, 50)  # the released Qwen3-VL text encoder in bf16: bytes, decoder layers
+RELEASE_VAES = int(6.5 * GiB)  # the released video (fp16) and audio (fp32) VAEs
+
+
+def config_sizes(config, text_encoder=RELEASE_TEXT_ENCODER, vae_bytes: int = RELEASE_VAES) -> ModelSizes:
+    """The sizes of a DiT of this config (bf16) without building it: the released model's for benchmarks and
+    the planner's tests."""
+    c = config
+    block = c.hidden_size * 3 * c.inner_dim + c.inner_dim * c.hidden_size + 3 * c.hidden_size * c.ffn_dim
+    adaln = c.time_embed_dim * 6 * 3 * c.hidden_size
+    other = (c.video_patch_dim + c.audio_in_channels + c.text_dim + c.freq_dim) * c.hidden_size + (
+        c.time_embed_hidden_dim * (c.freq_dim + c.time_embed_dim) + c.time_embed_dim * 2 * c.hidden_size
+        + c.hidden_size * (c.video_patch_dim + c.audio_in_channels))
+    return ModelSizes(unit_params=(c.num_layers + c.num_refiner_layers) * block + c.num_layers * adaln,
+                      units=2 * c.num_layers + c.num_refiner_layers, dit_other_bytes=4 * other,
+                      text_encoder_bytes=text_encoder[0], text_encoder_layers=text_encoder[1], vae_bytes=vae_bytes,
+                      hidden=c.hidden_size, inner=c.inner_dim, ffn=c.ffn_dim, heads=c.num_attention_heads)
+
+
+def host_memory() -> int:
+    """MemAvailable of /proc/meminfo (the whole RAM where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def hardware(device: torch.device, gpus: int, gpu_memory_gb: float | None, host_memory_gb: float | None) -> Hardware:
+    """This engine's memory: `--gpu-memory` or the GPU's own, `--host-memory` or what the host has available."""
+    if gpu_memory_gb is not None:
+        device_bytes = int(gpu_memory_gb * GiB)
+    else:
+        device_bytes = torch.cuda.get_device_properties(device).total_memory
+    cap = capability.capability(device)
+    compute = tuple(p for p, ok in (("fp8", capability.fp8_gemm(device.type, cap)),
+                                    ("int8", capability.int8_gemm(device.type, cap))) if ok)
+    host = int(host_memory_gb * GiB) if host_memory_gb is not None else host_memory()
+    return Hardware(device_bytes, host, gpus, compute)
+
+
+def reference_request(canvas) -> Request:
+    """What an engine is planned for at start: 5 s at its largest 16:9 canvas."""
+    height, width = L.canvas_for_aspect(16, 9, canvas.short_edge, canvas.max_pixels)
+    return request(L.frames_for_seconds(5.0)[0], height, width)
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """The plan an engine loaded with, and what it was made from (each job is planned against them)."""
+
+    plan: Plan
+    hardware: Hardware
+    sizes: ModelSizes
+
+    def describe(self) -> str:
+        return self.plan.describe()
+
+    def as_dict(self) -> dict:
+        return self.plan.as_dict()
+
+
+def plan_engine(pipe, hw: Hardware, precision: str, resident: int | None, tp: int = 1) -> EnginePlan:
+    """Plan a pipeline loaded in host memory (not yet sharded, `tp` ways) for the reference request; DoesNotFit says
+    what would fit."""
+    req, sizes = reference_request(pipe.canvas), pipeline_sizes(pipe)
+    plan = plan_memory(sizes, hw, req, precision, tp=tp, resident=resident or None,
+                       rows_for_frames=lambda f: request(f, req.height, req.width).rows)
+    return EnginePlan(plan, hw, sizes)
+
+
+def apply_plan(pipe, planned: EnginePlan, device: torch.device) -> None:
+    """Quantize as planned, then move the pipeline to `device` with the planned units streamed."""
+    from engine.models.h3.precision import set_precision
+
+    plan = planned.plan
+    if plan.precision in ("fp8", "int8"):
+        set_precision(pipe.dit, plan.precision)
+    pipe.place(device, plan.resident_units if plan.streaming else 0,
+               STREAMED_TEXT_LAYERS if plan.text_encoder_streamed else 0)
+    pipe.memory_plan = planned
+
+
+def job_request(pipe, req) -> Request:
+    """The shape of a generation request (engine.models.h3.request.GenerateRequest) on this pipeline's canvas."""
+    frames, height, width, _, _ = pipe.plan(req)
+    pictures = (req.first_frame is not None) + (req.last_frame is not None)
+    pictures += sum(r.kind == "image" for r in req.references or ())
+    return request(frames, height, width, condition_frames=pictures)
+
+
+def check_job(pipe, req) -> Plan | None:
+    """The loaded plan for this generation (its streamed units set), or DoesNotFit before any work; None when
+    the engine does not plan its memory."""
+    planned = getattr(pipe, "memory_plan", None)
+    if planned is None:
+        return None
+    shape = job_request(pipe, req)
+    plan = plan_job(planned.sizes, planned.hardware, shape, planned.plan,
+                    rows_for_frames=lambda f: request(f, shape.height, shape.width).rows)
+    if pipe.streamer is not None:
+        pipe.streamer.resident = plan.resident_units
+    return plan
+
+
+def out_of_memory_message(pipe, req=None) -> str:
+    """What an artist reads when a job (a generation `req`, or another task) ran out of memory although it was
+    planned to fit."""
+    planned = getattr(pipe, "memory_plan", None)
+    try:
+        words = job_request(pipe, req).words() if req is not None else "this job"
+    except ValueError:
+        words = "this job"
+    text = f"The engine ran out of GPU memory on {words}"
+    if planned is not None:
+        text += f" (its memory plan: {planned.describe()})"
+    return (text + ". Ask for fewer seconds or a smaller canvas, or start the engine with --dit-precision int8, "
+                   "fewer --resident-blocks or more GPUs.")
