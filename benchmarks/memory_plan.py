@@ -2,10 +2,11 @@
 people have). For each cap (24, 32, 48, 80 GiB, and this GPU uncapped) the planner plans a 5 s 1344x768 t2va on
 the released model's sizes (engine/runtime/placement.config_sizes): precision, units on the GPU, text encoder,
 bytes streamed per step, estimated peak. Then one step of a full-width DiT cut to `--blocks` blocks runs at the
-plan's precision, with the plan's share of its units on the GPU (streamed from pinned host memory like the
-engine does) under `torch.cuda.set_per_process_memory_fraction(cap)`, against the same cut fully resident: the
-ratio says whether the streaming hides behind compute. The cap stands in for a smaller card; the cut model keeps
-every per-block number (bytes, FLOPs) of the full one, so the step and the PCIe traffic scale by 50 / blocks.
+plan's precision, dense and with VSA at 87.5 %, with the plan's share of its units on the GPU (streamed from pinned
+host memory as the engine does) under `torch.cuda.set_per_process_memory_fraction(cap)`, against the same cut fully
+resident: the ratio says whether the streaming hides behind compute. The cap stands in for a smaller card; the cut
+model keeps every per-block number (bytes, FLOPs) of the full one, so the step and the PCIe traffic scale by
+50 / blocks.
 
     python benchmarks/memory_plan.py [--blocks 8] [--caps 24 32 48 80] [--out benchmarks/results/memory_plan.json]
 """
@@ -13,6 +14,7 @@ every per-block number (bytes, FLOPs) of the full one, so the step and the PCIe 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,9 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.h3_dit import make_layout  # noqa: E402
 from benchmarks.report import RESULTS, log, save, stage  # noqa: E402
 from benchmarks.streaming import step_inputs  # noqa: E402
 from benchmarks.timing import cuda_ms  # noqa: E402
+from engine.kernels import vsa  # noqa: E402
 from engine.models.h3 import layout as L  # noqa: E402
 from engine.models.h3.config import FULL  # noqa: E402
 from engine.models.h3.dit import build_dit  # noqa: E402
@@ -33,6 +37,7 @@ from engine.runtime.streaming import BlockStreamer, dit_units  # noqa: E402
 
 FRAMES = 124  # 5 s
 HEIGHT, WIDTH = 768, 1344
+VSA_SPARSITY = 0.875
 
 
 def step_flops(blocks: int, rows: int) -> float:
@@ -62,32 +67,42 @@ def run(args, cap_gib: float | None, device) -> None:
         set_precision(dit, plan.precision)
     inputs = step_inputs(FRAMES, device)
     flops = step_flops(args.blocks, inputs[4].numel())
-    with torch.no_grad():
-        reference = dit(*inputs)[0]
-        resident_ms = cuda_ms(lambda: dit(*inputs), warmup=1, iters=3)
-        units = len(dit_units(dit))
-        row.update(blocks=args.blocks, units_cut=units, resident_ms=resident_ms,
-                   resident_tflops=flops / resident_ms / 1e9)
-        if plan.streaming:
-            k = max(2, round(units * plan.resident_units / plan.units))
-            streamer = BlockStreamer(dit_units(dit), device, k)
-            torch.cuda.reset_peak_memory_stats()
-            identical = bool(torch.equal(dit(*inputs)[0], reference))
-            streamer.release()
-            before = streamer.bytes_copied
-            ms = cuda_ms(lambda: dit(*inputs), warmup=1, iters=3)
-            per_step = (streamer.bytes_copied - before) / 4
-            row.update(resident_units_cut=k, streamed_ms=ms, ratio=ms / resident_ms,
-                       streamed_tflops=flops / ms / 1e9, bytes_per_step_gb=per_step / 1e9,
-                       pcie_gb_s=per_step / ms / 1e6, identical=identical)
-            streamer.close()
-        row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
+    sparse = vsa.build_plan(make_layout(FRAMES).to(device))
+    topk = vsa.topk_for_sparsity(VSA_SPARSITY, sparse.num_cubes)
+    for attention in ("dense", "vsa"):
+        with torch.no_grad(), vsa.active(sparse, topk) if attention == "vsa" else contextlib.nullcontext():
+            row[attention] = step(args, dit, inputs, plan, flops, device)
     RESULTS.setdefault("caps", []).append(row)
-    streamed = (f"streamed {row['streamed_ms']:.0f} ms ({row['ratio']:.2f}x, {row['pcie_gb_s']:.1f} GB/s over "
-                f"PCIe)" if plan.streaming else "no streaming")
     log(f"cap {row['cap_gib']} GiB: {plan.describe()}")
-    log(f"  {args.blocks}-block cut: resident {resident_ms:.0f} ms ({row['resident_tflops']:.0f} TFLOP/s), "
-        f"{streamed}, peak {row['peak_gib']:.1f} GiB")
+    for attention in ("dense", "vsa"):
+        r = row[attention]
+        streamed = (f"streamed {r['streamed_ms']:.0f} ms ({r['ratio']:.2f}x, {r['pcie_gb_s']:.1f} GB/s over PCIe)"
+                    if plan.streaming else "no streaming")
+        log(f"  {args.blocks}-block cut, {attention}: resident {r['resident_ms']:.0f} ms ({r['resident_tflops']:.0f} "
+            f"TFLOP/s dense-equivalent), {streamed}, peak {r['peak_gib']:.1f} GiB")
+
+
+def step(args, dit, inputs, plan, flops: float, device) -> dict:
+    """One step resident, then with the plan's share of units on the GPU (the rest streamed)."""
+    torch.cuda.reset_peak_memory_stats()
+    reference = dit(*inputs)[0]
+    resident_ms = cuda_ms(lambda: dit(*inputs), warmup=1, iters=3)
+    units = len(dit_units(dit))
+    r = {"resident_ms": resident_ms, "resident_tflops": flops / resident_ms / 1e9, "units_cut": units}
+    if plan.streaming:
+        k = max(2, round(units * plan.resident_units / plan.units))
+        streamer = BlockStreamer(dit_units(dit), device, k)
+        torch.cuda.reset_peak_memory_stats()
+        identical = bool(torch.equal(dit(*inputs)[0], reference))
+        streamer.release()
+        before = streamer.bytes_copied
+        ms = cuda_ms(lambda: dit(*inputs), warmup=1, iters=3)
+        per_step = (streamer.bytes_copied - before) / 4
+        r.update(resident_units_cut=k, streamed_ms=ms, ratio=ms / resident_ms, bytes_per_step_gb=per_step / 1e9,
+                 pcie_gb_s=per_step / ms / 1e6, identical=identical)
+        streamer.close()
+    r["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
+    return r
 
 
 def main() -> int:
@@ -102,11 +117,15 @@ def main() -> int:
                    latent_frames=L.latent_frames(FRAMES))
     for cap in [*args.caps, None]:
         stage(f"cap_{cap or 'none'}", lambda: run(args, cap, device), args.out)
-    log(f"{'cap GiB':>8} {'plan':<60} {'step ratio':>10} {'GB/step':>8} {'peak GiB':>9}")
+    log(f"{'cap GiB':>8} {'precision':>9} {'units':>7} {'dense ms':>9} {'ratio':>6} {'VSA ms':>7} {'ratio':>6} "
+        f"{'GB/step':>8} {'peak GiB':>9} {'host GiB':>9}")
     for row in RESULTS.get("caps", []):
         if "plan" in row:
-            log(f"{row['cap_gib']:>8} {row['plan']['plan'][:60]:<60} {row.get('ratio', 1.0):>10.2f} "
-                f"{row.get('bytes_per_step_gb', 0):>8.1f} {row['peak_gib']:>9.1f}")
+            d, v, plan = row["dense"], row["vsa"], row["plan"]
+            log(f"{row['cap_gib']:>8} {plan['precision']:>9} {plan['resident_units']:>3}/{plan['units']:<3} "
+                f"{d.get('streamed_ms', d['resident_ms']):>9.0f} {d.get('ratio', 1.0):>6.2f} "
+                f"{v.get('streamed_ms', v['resident_ms']):>7.0f} {v.get('ratio', 1.0):>6.2f} "
+                f"{d.get('bytes_per_step_gb', 0):>8.1f} {max(d['peak_gib'], v['peak_gib']):>9.1f} {row['host_gib']:>9.1f}")
     save(args.out)
     return 0
 
