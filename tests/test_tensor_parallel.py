@@ -15,8 +15,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
-from engine.kernels import vsa
-from engine.models.h3 import layout as L
 from engine.models.h3.config import FULL, TINY
 from engine.models.h3.dit import SwiGLU, build_dit
 from engine.models.h3.lora import load_lora, merge_lora
@@ -28,44 +26,12 @@ from engine.quant.transform import QuantSpec, fuse_swiglu, quantize_linears
 from engine.runtime.jobs import JobRunner
 from engine.runtime.ranks import RankContext
 from engine_fixture import REPO, free_port, start_engine
+from test_ulysses import CASES, CONFIG, run  # 4 heads: TP 2 and 4, TP 2 x Ulysses 2
 
-CONFIG = dataclasses.replace(TINY, num_attention_heads=4)  # 4 heads: TP 2 and 4, TP 2 x Ulysses 2
-# (keyframes, latent frames, latent height, latent width): S = 25, 37, 25 and 133, none divisible by 2 or 4.
-CASES = {"t2va": ((), 2, 4, 6), "fl2va": (("first", "last"), 2, 4, 6), "edit": ((), 2, 4, 6),
-         "vsa": (("first",), 5, 8, 10)}
 LORA_MODULES = ("blocks.0.attn.qkv_proj", "blocks.1.attn.out_proj", "blocks.0.mlp.fc1", "blocks.1.mlp.fc2",
                 "token_refiner.blocks.0.attn.qkv_proj", "blocks.1.adaln_proj.linear", "video_patch_proj")
 REQ = GenerateRequest(prompt="four ranks, one answer", seconds=5, steps=3, seed=7, width=64, height=64)
 JOB = {"prompt": "two ranks, one answer", "steps": 3, "seed": 7, "width": 64, "height": 64}
-
-
-def case(name):
-    """The layout and DiT inputs of a case: 7 text rows, 3 stereo audio latents; the edit's rows are kept,
-    partly or fully regenerated (three timesteps besides the text's)."""
-    keyframes, T, h, w = CASES[name]
-    gen = torch.Generator().manual_seed(len(name))
-    lay = L.build_layout(torch.tensor([1, 1, 0, 1, 1, 0, 1]), T, h, w, 3, keyframes=keyframes)
-    if name == "edit":
-        levels = torch.tensor([1.0, 0.65, 0.3])
-        t_video = levels[torch.randint(3, (lay.video_indices.numel(),), generator=gen)]
-        t_audio = levels[torch.randint(3, (lay.audio_indices.numel(),), generator=gen)]
-        timestep, idx = L.row_timesteps(lay, t_video, t_audio, t_text=0.45)
-    else:
-        timestep, idx = L.row_timesteps(lay, 0.3, 0.6)
-    video = torch.randn(1, lay.video_indices.numel(), CONFIG.video_patch_dim, generator=gen)
-    audio = torch.randn(1, lay.audio_indices.numel(), CONFIG.audio_in_channels, generator=gen)
-    text = torch.randn(1, lay.num_text, CONFIG.text_dim, generator=gen)
-    return lay, (video, audio, text, timestep, idx, lay.token_tags, lay.position_ids, lay.video_indices,
-                 lay.audio_indices, lay.text_indices)
-
-
-def run(dit, name):
-    lay, inputs = case(name)
-    if name != "vsa":
-        return dit(*inputs)
-    plan = vsa.build_plan(lay)
-    with vsa.active(plan, topk=plan.num_cubes // 2):
-        return dit(*inputs)
 
 
 def int8(dit, int_mm=False):

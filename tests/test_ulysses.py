@@ -16,17 +16,26 @@ from engine.models.h3.request import GenerateRequest
 from engine.parallel import ulysses
 
 CONFIG = dataclasses.replace(TINY, num_attention_heads=4)  # 4 heads: degrees 2 and 4
-# (keyframes, latent frames, latent height, latent width): S = 25, 37 and 133, none divisible by 2 or 4.
-CASES = {"t2va": ((), 2, 4, 6), "fl2va": (("first", "last"), 2, 4, 6), "vsa": (("first",), 5, 8, 10)}
+# (keyframes, latent frames, latent height, latent width): S = 25, 37, 25 and 133, none divisible by 2 or 4;
+# the edit mixes three video and audio timesteps.
+CASES = {"t2va": ((), 2, 4, 6), "fl2va": (("first", "last"), 2, 4, 6), "edit": ((), 2, 4, 6),
+         "vsa": (("first",), 5, 8, 10)}
 REQ = GenerateRequest(prompt="two ranks, one answer", seconds=5, steps=4, seed=7, width=64, height=64)
 
 
 def case(name):
-    """The layout and DiT inputs of a case: 7 text rows, 3 stereo audio latents."""
+    """The layout and DiT inputs of a case: 7 text rows, 3 stereo audio latents; the edit's rows are kept,
+    partly or fully regenerated (three timesteps besides the text's)."""
     keyframes, T, h, w = CASES[name]
     gen = torch.Generator().manual_seed(len(name))
     lay = L.build_layout(torch.tensor([1, 1, 0, 1, 1, 0, 1]), T, h, w, 3, keyframes=keyframes)
-    timestep, idx = L.row_timesteps(lay, 0.3, 0.6)
+    if name == "edit":
+        levels = torch.tensor([1.0, 0.65, 0.3])
+        t_video = levels[torch.randint(3, (lay.video_indices.numel(),), generator=gen)]
+        t_audio = levels[torch.randint(3, (lay.audio_indices.numel(),), generator=gen)]
+        timestep, idx = L.row_timesteps(lay, t_video, t_audio, t_text=0.45)
+    else:
+        timestep, idx = L.row_timesteps(lay, 0.3, 0.6)
     video = torch.randn(1, lay.video_indices.numel(), CONFIG.video_patch_dim, generator=gen)
     audio = torch.randn(1, lay.audio_indices.numel(), CONFIG.audio_in_channels, generator=gen)
     text = torch.randn(1, lay.num_text, CONFIG.text_dim, generator=gen)
