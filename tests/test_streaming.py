@@ -92,13 +92,24 @@ def test_close_puts_every_block_back_and_a_bad_count_is_refused():
         BlockStreamer(dit_units(pipe.dit), pipe.device, 0)
 
 
-def test_a_streaming_engine_refuses_the_other_partition_with_a_message():
-    from engine.models.h3.layout import LayoutError
+def test_a_streaming_engine_swaps_partitions_and_streams_the_active_one():
+    """fl2va -> ref2va -> fl2va on a streaming pipeline gives what the resident one gives; the idle DiT waits in
+    host memory whole and the active one keeps K units on the device."""
+    from engine.models.h3.references import ImageReference
 
-    pipe = tiny()
-    pipe.stream_blocks(2)
-    with pytest.raises(LayoutError, match="--resident-blocks"):
-        pipe.use_partition("ref2va")
+    picture = torch.arange(32 * 32 * 3, dtype=torch.int64).remainder(251).to(torch.uint8).view(32, 32, 3).numpy()
+    ref = GenerateRequest(prompt="<Picture 1> rolls away", seed=3, steps=3, references=[ImageReference(picture)],
+                          reference_size="match")
+    plain, streamed = tiny(), tiny()
+    streamed.stream_blocks(2)
+    idle = []
+    for request in (REQUEST, ref, REQUEST):
+        a, b = plain.generate(request), streamed.generate(request)
+        assert torch.equal(a.frames, b.frames) and torch.equal(a.audio, b.audio), request.prompt
+        assert streamed.streamer.stats()["max_resident"] == 2 and not streamed.streamer.on_device
+        idle.append(streamed.describe()["partitions"]["idle"])
+    assert idle == [{"ref2va": "disk"}, {"fl2va": "host"}, {"ref2va": "host"}]
+    assert [s["to"] for s in streamed.partitions.swaps] == ["ref2va", "fl2va"]
 
 
 def test_an_engine_started_with_resident_blocks_streams_and_says_so(tmp_path):

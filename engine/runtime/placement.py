@@ -10,6 +10,7 @@ import torch
 
 from engine.kernels import capability
 from engine.models.h3 import layout as L
+from engine.parallel import tensor
 from engine.runtime.planner import (STREAMED_TEXT_LAYERS, GiB, Hardware, ModelSizes, Plan, Request, plan_job,
                                     plan_memory, request)
 from engine.runtime.streaming import dit_units, unit_tensors
@@ -42,7 +43,7 @@ def pipeline_sizes(pipe) -> ModelSizes:
                       text_encoder_layers=len(text.model.language_model.layers),
                       vae_bytes=_bytes([*pipe.video_vae.model.parameters(), *pipe.audio_vae.model.parameters()]),
                       hidden=c.hidden_size, inner=c.inner_dim, ffn=c.ffn_dim, heads=c.num_attention_heads,
-                      stored=stored_precision(dit))
+                      stored=stored_precision(dit), tp_degrees=tuple(tensor.tp_degrees(c)))
 
 
 RELEASE_TEXT_ENCODER = (62 * GiB, 50)  # the released Qwen3-VL text encoder in bf16: bytes, decoder layers
@@ -61,7 +62,8 @@ def config_sizes(config, text_encoder=RELEASE_TEXT_ENCODER, vae_bytes: int = REL
     return ModelSizes(unit_params=(c.num_layers + c.num_refiner_layers) * block + c.num_layers * adaln,
                       units=2 * c.num_layers + c.num_refiner_layers, dit_other_bytes=4 * other,
                       text_encoder_bytes=text_encoder[0], text_encoder_layers=text_encoder[1], vae_bytes=vae_bytes,
-                      hidden=c.hidden_size, inner=c.inner_dim, ffn=c.ffn_dim, heads=c.num_attention_heads)
+                      hidden=c.hidden_size, inner=c.inner_dim, ffn=c.ffn_dim, heads=c.num_attention_heads,
+                      tp_degrees=tuple(tensor.tp_degrees(c)))
 
 
 def host_memory() -> int:

@@ -57,7 +57,7 @@ class ModelSizes:
     ffn: int
     heads: int
     stored: str = "bf16"  # bf16 / fp32 weights, or the quantized file's fp8 / int8 (run as stored)
-    tp_degrees: tuple[int, ...] = (1, 2, 4, 8)  # legal TP sizes (they divide the heads and the FFN)
+    tp_degrees: tuple[int, ...] = (1, 2, 4, 8)  # legal TP sizes (engine.parallel.tensor.tp_degrees)
 
     def unit_bytes(self, precision: str, tp: int = 1) -> int:
         """One streamed unit's bytes on one rank (the units' mean)."""

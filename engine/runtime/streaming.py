@@ -153,11 +153,15 @@ class BlockStreamer:
             self._evict(i)
         self.last = None
 
-    def close(self) -> None:
-        """Stop streaming: every unit back on the device for good, the hooks removed."""
+    def detach(self) -> None:
+        """Stop streaming, every unit's weights left in host memory (the hooks removed)."""
         self.release()
         for hook in self.hooks:
             hook.remove()
+
+    def close(self) -> None:
+        """Stop streaming: every unit back on the device for good, the hooks removed."""
+        self.detach()
         for unit in self.units:
             for slot, host in zip(unit.slots, unit.host):
                 _set(*slot, host.to(self.device))

@@ -91,7 +91,7 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resident-blocks", type=int, default=0, metavar="K",
                    help="stream the DiT from (pinned) host memory: its blocks, refiner blocks and AdaLN projections "
                         "wait there, at most K of them on the GPU at a time, each copied in while the one before "
-                        "runs (output unchanged; FL2VA tasks only for now). 0 (default): the memory planner decides "
+                        "runs (output unchanged; both partitions). 0 (default): the memory planner decides "
                         "on a GPU (all on the GPU when they fit), all resident on a CPU")
     p.add_argument("--gpu-memory", type=float, metavar="GB",
                    help="plan for this much memory per GPU (GiB) instead of the GPU's own, e.g. to leave room for "

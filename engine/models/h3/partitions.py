@@ -2,7 +2,8 @@
 
 One partition is active on the device. A partition is loaded on its first job; the one it replaces stays on the
 device when both fit beside `reserve_bytes` of working memory, else waits in pinned host memory, else (host memory
-short too) is dropped and read from disk again when next needed. Every swap is timed, logged and kept for the
+short too) is dropped and read from disk again when next needed. On a streaming engine (`on_host`) both wait in host
+memory and the pipeline streams the active one's blocks. Every swap is timed, logged and kept for the
 engine's status.
 """
 
@@ -59,6 +60,7 @@ class Partitions:
         self.reserve_bytes = reserve_bytes
         self.idle: dict[str, nn.Module] = {}  # loaded partitions not active: on the device or in host memory
         self.prepare: Callable[[nn.Module], nn.Module] = lambda dit: dit  # e.g. --dit-precision, on every load
+        self.on_host = False  # a streaming engine's DiTs live in host memory; the pipeline streams the active one
         self.swaps: list[dict] = []
 
     def available(self, name: str) -> bool:
@@ -77,14 +79,14 @@ class Partitions:
         done = Phase(on_step, "loading", 1, f"{PARTITIONS[name]} DiT")
         incoming = self.idle.pop(name, None)
         source = "disk" if incoming is None else self._where(incoming)
-        if source != "device" and not self._fits(module_bytes(current)):  # same architecture, same size
+        if source != "device" and not self.on_host and not self._fits(module_bytes(current)):  # same size
             self._park(self.active, current)
             current = None
         else:
             self.idle[self.active] = current
         if incoming is None:
             incoming = self.prepare(self.loaders[name]())
-        incoming = incoming.to(self.device)
+        incoming = incoming.to("cpu" if self.on_host else self.device)
         swap = {"from": self.active, "to": name, "source": source, "seconds": round(time.perf_counter() - t0, 3),
                 "previous_kept": "device" if current is not None else self._where_idle(self.active)}
         self.swaps = (self.swaps + [swap])[-SWAPS_KEPT:]
@@ -100,7 +102,7 @@ class Partitions:
                 "last_swap": self.swaps[-1] if self.swaps else None}
 
     def _where(self, dit: nn.Module) -> str:
-        return "device" if next(dit.parameters()).device == self.device else "host"
+        return "device" if not self.on_host and next(dit.parameters()).device == self.device else "host"
 
     def _where_idle(self, name: str) -> str:
         return self._where(self.idle[name]) if name in self.idle else "disk"

@@ -119,7 +119,7 @@ class H3Pipeline:
         self.encode_mp4 = True  # encode the result's MP4 while the VAE decodes (GenerateResult.mp4)
         self.streamer: BlockStreamer | None = None  # `stream_blocks`: the DiT's blocks live in host memory
         self.text_streamer: BlockStreamer | None = None  # `stream_text_encoder`: its layers live in host memory
-        self.memory_plan = None  # engine.runtime.planner.Plan, when the engine planned its memory
+        self.memory_plan = None  # engine.runtime.placement.EnginePlan, when the engine planned its memory
         self.parallel = Parallel(Mesh(1))  # this rank's TP and Ulysses groups (engine/parallel/mesh.py)
 
     @classmethod
@@ -310,18 +310,23 @@ class H3Pipeline:
             return self._generate(req, frames, height, width, steps, notes, keyframes, images, on_step)
 
     def use_partition(self, name: str, on_step=None) -> None:
-        """Make `name`'s DiT the active one (engine/models/h3/partitions.py)."""
-        if self.streamer is not None and name != self.partitions.active:
-            raise L.LayoutError(f"This engine streams its DiT blocks from host memory (--resident-blocks), which "
-                                f"the {PARTITIONS[name]} DiT does not do yet: start an engine without "
-                                f"--resident-blocks for {name} jobs.")
-        self.dit = self.partitions.activate(name, self.dit, on_step)
+        """Make `name`'s DiT the active one (engine/models/h3/partitions.py); on a streaming engine the outgoing
+        DiT goes back to host memory whole and the incoming one streams with the same number of units resident."""
+        if self.streamer is None or name == self.partitions.active:
+            self.dit = self.partitions.activate(name, self.dit, on_step)
+            return
+        resident = self.streamer.resident
+        self.streamer.detach()
+        self.dit = self.partitions.activate(name, self.dit.to("cpu"), on_step)
+        self.stream_blocks(resident)
+        move_unstreamed(self.dit, [u.module for u in self.streamer.units], self.device)
 
     def stream_blocks(self, resident: int) -> None:
         """Keep the DiT's blocks, refiner blocks and AdaLN projections in host memory, `resident` of them on the
         device at a time, each copied in a step ahead of its use (engine/runtime/streaming.py); the output is
         bit-identical. Its AdaLN projections then stay in host memory, so the AdaLN cache keeps its tables only."""
         self.streamer = BlockStreamer(dit_units(self.dit), self.device, resident)
+        self.partitions.on_host = True
         if self.adaln_cache is not None:
             self.adaln_cache.offload = False
 
