@@ -2,6 +2,8 @@
 the resident model's output bit for bit over whole generations, with weight edits between jobs and with quantized
 blocks; the copies run ahead of use, so after the first pass hardly any call waits for its unit."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,6 +81,32 @@ def test_at_most_k_units_are_on_the_device_during_a_pass():
     for hook in hooks:
         hook.remove()
     assert seen and all(n <= 2 and called for n, called in seen), seen
+
+
+def test_a_pass_copies_only_the_units_that_take_turns():
+    """K of N resident: the K - 2 largest units stay once copied, so after the first pass each pass copies the
+    other N - (K - 2), not all N (LRU over a cyclic order would evict every unit before its next use)."""
+    from engine.models.h3.config import TINY
+    from engine.models.h3.dit import build_dit
+    from test_ulysses import case
+
+    dit = build_dit(dataclasses.replace(TINY, num_layers=4))
+    _, inputs = case("t2va")
+    expected = dit(*inputs)[0]
+    units = len(dit_units(dit))
+    for resident in (2, 4, units - 1):
+        streamer = BlockStreamer(dit_units(dit), "cpu", resident)
+        passes = []
+        for _ in range(3):
+            before = streamer.bytes_copied
+            assert torch.equal(dit(*inputs)[0], expected)
+            passes.append(streamer.bytes_copied - before)
+        taking_turns = [u.nbytes for i, u in enumerate(streamer.units) if i not in streamer.kept]
+        assert len(streamer.kept) == resident - 2 and streamer.max_resident == resident
+        assert passes[1] == passes[2] == sum(taking_turns), (resident, passes)
+        assert (sum(taking_turns) < streamer.host_bytes) == (resident > 2)
+        assert all(streamer.units[i].nbytes >= max(taking_turns) for i in streamer.kept)  # the largest stay
+        streamer.close()
 
 
 def test_close_puts_every_block_back_and_a_bad_count_is_refused():

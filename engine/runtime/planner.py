@@ -174,7 +174,7 @@ def fit(m: ModelSizes, hw: Hardware, req: Request, precision: str, tp: int, resi
         host = (unit_bytes * m.units if streaming else 0) + (m.text_encoder_bytes if streamed else 0)
         return Plan(precision, tp, ulysses, int(most), m.units, streamed,
                     fixed + int(most) * unit_bytes, hw.device_bytes, host,
-                    unit_bytes * m.units if streaming else 0,
+                    unit_bytes * (m.units - max(0, int(most) - 2)) if streaming else 0,  # all but the kept units
                     dequantized=precision in QUANTIZED and precision not in hw.quantized_compute)
     return None
 

@@ -1,11 +1,15 @@
 """Block streaming: a model's big units (DiT blocks, their AdaLN projections, refiner blocks) live in host memory
 and come to the device just before use, at most `resident` of them at a time.
 
-Each unit is a module whose call brings its tensors in (a forward pre-hook). On the call of unit u the streamer makes u resident (a miss when it was not prefetched), makes the compute stream
-wait for u's copy, and starts copying the units that follow u on a side stream, up to `resident` - 1 ahead, so the
-copy of block i + 1 runs under block i's compute. What follows u is what followed it on the last pass (the AdaLN
-cache skips the projections on a hit), at first the order given. Units evicted to make room drop their device
-copies; `record_stream` keeps the allocator from reusing that memory before the compute stream is done with it.
+Of the `resident` places, all but two hold units that stay for the whole job once copied (the largest units,
+`kept`); the other units take turns in the last two places, one running while the next is copied in on a side
+stream. A step then copies only the units that take turns: with K of N resident, N - (K - 2) units a step, not N
+(plain LRU over a cyclic order would evict every unit before its next use). Each unit is a module whose call brings
+its tensors in (a forward pre-hook): the streamer makes it resident (a miss when it was not prefetched), makes the
+compute stream wait for its copy, and starts copying the next unit that takes turns. What follows a unit is what
+followed it on the last pass (the AdaLN cache skips the projections on a hit), at first the order given. Units
+evicted to make room drop their device copies; `record_stream` keeps the allocator from reusing that memory before
+the compute stream is done with it.
 
 The copies are exact, so the output is bit-identical to the resident model's. The host copies are the canonical
 weights between jobs: `release()` evicts every unit, after which weight edits (LoRA merges) land on the host
@@ -69,6 +73,7 @@ class BlockStreamer:
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.units = [Unit(module, unit_tensors(module, exclude)) for module, exclude in units]
+        self.kept: set[int] = set()  # units that stay once copied (set below, when their sizes are known)
         self.order = {id(u.module): i for i, u in enumerate(self.units)}
         self.next = {i: (i + 1) % len(self.units) for i in range(len(self.units))}
         self.on_device: OrderedDict[int, None] = OrderedDict()  # resident units, least recently used first
@@ -83,6 +88,9 @@ class BlockStreamer:
                 unit.nbytes += tensor.numel() * tensor.element_size()
                 _set(*slot, unit.host[-1])
             self.hooks.append(unit.module.register_forward_pre_hook(self._before))
+        turns = 2 if resident < len(self.units) else 0  # places the other units take turns in
+        largest = sorted(range(len(self.units)), key=lambda i: -self.units[i].nbytes)
+        self.kept = set(largest[:max(0, resident - turns)])
         if self.cuda:
             torch.cuda.empty_cache()
 
@@ -91,7 +99,8 @@ class BlockStreamer:
         return sum(u.nbytes for u in self.units)
 
     def stats(self) -> dict:
-        return {"units": len(self.units), "resident": self.resident, "max_resident": self.max_resident,
+        return {"units": len(self.units), "resident": self.resident, "kept": len(self.kept),
+                "max_resident": self.max_resident,
                 "fetches": self.fetches, "misses": self.misses, "bytes_copied": self.bytes_copied,
                 "host_bytes": self.host_bytes}
 
@@ -107,18 +116,19 @@ class BlockStreamer:
         unit = self.units[i]
         if unit.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(unit.ready)
-        ahead, j = [i], i
-        for _ in range(self.resident - 1):
+        ahead, j, taking_turns = [i], i, 0
+        while taking_turns < min(1, self.resident - 1):  # copy the next unit that takes turns (kept ones on the way)
             j = self.next[j]
             if j in ahead:
                 break
             ahead.append(j)
+            taking_turns += j not in self.kept
             if j not in self.on_device:
                 self._fetch(j, keep=tuple(ahead))
 
     def _fetch(self, i: int, keep: tuple[int, ...]) -> None:
         while len(self.on_device) >= self.resident:
-            victim = next((j for j in self.on_device if j not in keep), None)
+            victim = next((j for j in self.on_device if j not in keep and j not in self.kept), None)
             if victim is None:
                 return  # every resident unit is needed sooner: fetch this one when it is called
             self._evict(victim)
