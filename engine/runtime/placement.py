@@ -4,12 +4,14 @@ GPU), the check of each job before it starts, and the words for a job that ran o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from engine.kernels import capability
 from engine.models.h3 import layout as L
+from engine.models.h3.partitions import host_available_bytes, module_bytes
 from engine.parallel import tensor
 from engine.runtime.planner import (STREAMED_TEXT_LAYERS, GiB, Hardware, ModelSizes, Plan, Request, plan_job,
                                     plan_memory, request)
@@ -39,9 +41,9 @@ def pipeline_sizes(pipe) -> ModelSizes:
     other = [getattr(owner, name) for owner, name, _ in unit_tensors(dit, tuple(m for m, _ in units))]
     text = pipe.conditioner.model
     return ModelSizes(unit_params=unit_params, units=len(units), dit_other_bytes=_bytes(other),
-                      text_encoder_bytes=_bytes([*text.parameters(), *text.buffers()]),
+                      text_encoder_bytes=module_bytes(text),
                       text_encoder_layers=len(text.model.language_model.layers),
-                      vae_bytes=_bytes([*pipe.video_vae.model.parameters(), *pipe.audio_vae.model.parameters()]),
+                      vae_bytes=module_bytes(pipe.video_vae.model) + module_bytes(pipe.audio_vae.model),
                       hidden=c.hidden_size, inner=c.inner_dim, ffn=c.ffn_dim, heads=c.num_attention_heads,
                       stored=stored_precision(dit), tp_degrees=tuple(tensor.tp_degrees(c)))
 
@@ -66,18 +68,6 @@ def config_sizes(config, text_encoder=RELEASE_TEXT_ENCODER, vae_bytes: int = REL
                       tp_degrees=tuple(tensor.tp_degrees(c)))
 
 
-def host_memory() -> int:
-    """MemAvailable of /proc/meminfo (the whole RAM where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        import os
-
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def hardware(device: torch.device, gpus: int, gpu_memory_gb: float | None, host_memory_gb: float | None) -> Hardware:
     """This engine's memory: `--gpu-memory` or the GPU's own, `--host-memory` or what the host has available."""
     if gpu_memory_gb is not None:
@@ -87,7 +77,9 @@ def hardware(device: torch.device, gpus: int, gpu_memory_gb: float | None, host_
     cap = capability.capability(device)
     compute = tuple(p for p, ok in (("fp8", capability.fp8_gemm(device.type, cap)),
                                     ("int8", capability.int8_gemm(device.type, cap))) if ok)
-    host = int(host_memory_gb * GiB) if host_memory_gb is not None else host_memory()
+    host = int(host_memory_gb * GiB) if host_memory_gb is not None else host_available_bytes()
+    if host is None:  # no /proc/meminfo: the whole RAM
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware(device_bytes, host, gpus, compute)
 
 
