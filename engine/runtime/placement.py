@@ -24,12 +24,9 @@ def _bytes(tensors) -> int:
 
 def stored_precision(dit) -> str:
     """fp8 / int8 for a DiT whose block GEMMs are stored quantized, else its float dtype (bf16 / fp32)."""
-    from engine.quant.fp8 import Fp8Linear
-    from engine.quant.int8_convrot import Int8ConvRotLinear
+    from engine.models.h3.precision import stored_as
 
-    layer = dit.blocks[0].attn.qkv_proj
-    quantized = {Fp8Linear: "fp8", Int8ConvRotLinear: "int8"}.get(type(layer))
-    return quantized or ("fp32" if dit.dtype == torch.float32 else "bf16")
+    return stored_as(dit.blocks[0].attn.qkv_proj) or ("fp32" if dit.dtype == torch.float32 else "bf16")
 
 
 def pipeline_sizes(pipe) -> ModelSizes:

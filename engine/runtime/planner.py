@@ -59,6 +59,10 @@ class ModelSizes:
     stored: str = "bf16"  # bf16 / fp32 weights, or the quantized file's fp8 / int8 (run as stored)
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)  # legal TP sizes (engine.parallel.tensor.tp_degrees)
 
+    @property
+    def text_layer_bytes(self) -> int:
+        return -(-self.text_encoder_bytes // max(1, self.text_encoder_layers))
+
     def unit_bytes(self, precision: str, tp: int = 1) -> int:
         """One streamed unit's bytes on one rank (the units' mean)."""
         return -(-self.unit_params * PRECISION_BYTES[precision] // (self.units * tp))
@@ -160,7 +164,7 @@ def fit(m: ModelSizes, hw: Hardware, req: Request, precision: str, tp: int, resi
     budget = hw.device_bytes - _margin(hw.device_bytes)
     unit_bytes = m.unit_bytes(precision, tp)
     working = max(activation_bytes(m, req, tp, ulysses), frames_bytes(req))  # the phases run one after another
-    layer = -(-m.text_encoder_bytes // max(1, m.text_encoder_layers))
+    layer = m.text_layer_bytes
     cap = m.units if resident is None else min(resident, m.units)
     for streamed in (False, True) if text_streamed is None else (text_streamed,):
         # A streamed text encoder holds its layers only while it encodes, before the DiT's activations exist.
@@ -181,7 +185,7 @@ def fit(m: ModelSizes, hw: Hardware, req: Request, precision: str, tp: int, resi
 
 def minimum_bytes(m: ModelSizes, req: Request, precision: str, tp: int, gpus: int) -> int:
     """The least a GPU needs for this request: the fewest units resident, the text encoder streamed."""
-    layer = -(-m.text_encoder_bytes // max(1, m.text_encoder_layers))
+    layer = m.text_layer_bytes
     working = max(activation_bytes(m, req, tp, gpus // tp), frames_bytes(req), STREAMED_TEXT_LAYERS * layer)
     return m.dit_other_bytes + m.vae_bytes + working + min(MIN_RESIDENT, m.units) * m.unit_bytes(precision, tp)
 

@@ -239,25 +239,23 @@ class H3Pipeline:
 
     def text_encoder_quantized(self) -> str | None:
         """fp8 / int8 when the text encoder's decoder GEMMs are stored quantized (`--text-encoder-precision`)."""
-        from engine.quant.fp8 import Fp8Linear
-        from engine.quant.int8_convrot import Int8ConvRotLinear
+        from engine.models.h3.precision import stored_as
 
         if self.conditioner is None:
             return None
-        layer = self.conditioner.model.model.language_model.layers[0].self_attn.q_proj
-        return {Fp8Linear: "fp8", Int8ConvRotLinear: "int8"}.get(type(layer))
+        return stored_as(self.conditioner.model.model.language_model.layers[0].self_attn.q_proj)
 
     def gemm_compute(self) -> str:
         """How the DiT's block GEMMs run: fp8 / int8 GEMMs, quantized weights dequantized per layer, or a float."""
-        from engine.quant.fp8 import Fp8Linear
-        from engine.quant.int8_convrot import Int8ConvRotLinear
+        from engine.models.h3.precision import stored_as
 
         layer = self.dit.blocks[0].attn.qkv_proj
         d = self.device
         cap = capability.capability(d)
-        if isinstance(layer, Fp8Linear):
+        stored = stored_as(layer)
+        if stored == "fp8":
             return "fp8 GEMMs" if capability.fp8_gemm(d.type, cap) else "fp8 weights dequantized per layer"
-        if isinstance(layer, Int8ConvRotLinear):
+        if stored == "int8":
             return "int8 W8A8" if capability.int8_gemm(d.type, cap) else "int8 weights dequantized per layer"
         return str(layer.weight.dtype).removeprefix("torch.")
 

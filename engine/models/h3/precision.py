@@ -21,6 +21,13 @@ TEXT_ENCODER_GEMMS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
                       "mlp.up_proj", "mlp.down_proj")
 
 
+def stored_as(layer: nn.Module) -> str | None:
+    """fp8 / int8 for a linear stored quantized, else None."""
+    from engine.quant.fp8 import Fp8Linear
+
+    return {Fp8Linear: "fp8", int8_convrot.Int8ConvRotLinear: "int8"}.get(type(layer))
+
+
 def block_gemms(dit: H3DiT) -> list[str]:
     return [f"blocks.{i}.{gemm}" for i in range(len(dit.blocks)) for gemm in BLOCK_GEMMS]
 
