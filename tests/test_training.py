@@ -14,7 +14,8 @@ from training.train import FILES, TOY
 
 
 def test_smoke_run_lowers_every_loss_and_writes_loadable_files(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "training.train", "--smoke", "--out", str(tmp_path)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "training.train", "--smoke", "--video-shift", "3", "--out",
+                           str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "smoke_log.jsonl").read_text().splitlines()]
@@ -25,6 +26,7 @@ def test_smoke_run_lowers_every_loss_and_writes_loadable_files(tmp_path):
     pipe = H3Pipeline.from_files(*(tmp_path / FILES[k] for k in ("dit", "text_encoder", "video_vae", "audio_vae")),
                                  device="cpu", dtype=torch.float32)
     assert pipe.dit.config == TOY and pipe.canvas == TINY_CANVAS
+    assert pipe.video_shift == 3.0  # trained for, recorded in the DiT file's header, used by the schedule
     assert pipe.describe()["summary"].startswith(f"DiT {FILES['dit']} (bf16")
 
 

@@ -302,7 +302,7 @@ def extension_rows(T: int, rng) -> tuple[int, int, float]:
 
 
 def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, caption_drop: float = 0.0,
-             teacher=None, guidance: float = 1.0) -> torch.Tensor:
+             teacher=None, guidance: float = 1.0, video_shift: float = VIDEO_SHIFT) -> torch.Tensor:
     """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
@@ -325,7 +325,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
         return torch.randn(like.shape, generator=gen, device="cpu").to(device)
 
     u = torch.rand((), generator=gen)
-    s_v, s_a = float(sigma(u, VIDEO_SHIFT)), float(sigma(u, AUDIO_SHIFT))
+    s_v, s_a = float(sigma(u, video_shift)), float(sigma(u, AUDIO_SHIFT))
     ev, ea = noise(x0v), noise(x0a)
     xv, xa = (1 - s_v) * x0v + s_v * ev, (1 - s_a) * x0a + s_a * ea
     t_video, weight = 1 - s_v, torch.stack([b["weight"] for b in batch])
@@ -515,7 +515,8 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
             task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
             group = groups[int(rng.choice(len(groups), p=sizes / sizes.sum()))]
             picks = [group[int(i)] for i in rng.integers(len(group), size=batch)]
-        loss = dit_loss(dit, [data[i] for i in picks], task, rng, gen, caption_drop, teacher, guidance)
+        loss = dit_loss(dit, [data[i] for i in picks], task, rng, gen, caption_drop, teacher, guidance,
+                        pipe.video_shift)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -541,7 +542,8 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
 
 def save(pipe: H3Pipeline, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    save_dit(copy.deepcopy(pipe.dit).set_dtype(torch.bfloat16).cpu(), out / FILES["dit"])
+    save_dit(copy.deepcopy(pipe.dit).set_dtype(torch.bfloat16).cpu(), out / FILES["dit"],
+             video_shift=pipe.video_shift)
     save_file(text_encoder_file_tensors(pipe.conditioner.model), str(out / FILES["text_encoder"]))
     save_video_vae_file(pipe.video_vae, out / FILES["video_vae"])
     save_audio_vae_file(pipe.audio_vae, out / FILES["audio_vae"])
@@ -582,6 +584,9 @@ def main(argv=None) -> int:
     p.add_argument("--eval-guidance", type=float, nargs="+", default=[1.0],
                    help="the final held-out evaluation at each of these guidance scales (1: the plain DiT)")
     p.add_argument("--eval-scenes", type=int, default=4, help="held-out captions of the DiT's evaluations")
+    p.add_argument("--video-shift", type=float, default=None,
+                   help="the video schedule's shift, trained and recorded in the DiT file (default: the resumed "
+                        "file's, else the release's 12)")
     p.add_argument("--smoke", action="store_true", help="CPU check: tiny canvas, a few steps of each stage")
     args = p.parse_args(argv)
     deadline = time.monotonic() + args.minutes * 60 - FINISH_S
@@ -617,6 +622,8 @@ def main(argv=None) -> int:
     if args.fresh_dit or not args.resume:
         text_at_unit_scale(pipe.conditioner)
     pipe.canvas = training_canvas(width, height)
+    if args.video_shift is not None:
+        pipe.video_shift = args.video_shift
     pipe.encode_mp4, pipe.adaln_cache = False, None
     shares = {**STAGES, "video_decoder": 1.0, "audio_decoder": 1.0, "latent_rgb": 0.0}
     stage_share = {k: v / max(1e-9, sum(shares[s] for s in args.stages)) for k, v in shares.items()}

@@ -36,6 +36,7 @@ ROPE_KEY = "rope.inv_freq"
 CURVE_TABLE = "adaln_t_table"
 MARKER = "comfy_quant"
 QUANT_METADATA = "_quantization_metadata"
+VIDEO_SHIFT_METADATA = "video_shift"
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 STORED_DTYPES = {"float8_e4m3fn": "F8_E4M3", "int8_convrot": "I8"}
 MARKER_FIELDS = {"format", "convrot", "convrot_groupsize", "full_precision_matrix_mult"}
@@ -426,6 +427,19 @@ def bump_weights_version(model: torch.nn.Module) -> None:
     model.weights_version = getattr(model, "weights_version", 0) + 1
 
 
+def trained_video_shift(path: str | Path) -> float | None:
+    """The video schedule shift a single-file DiT's header names (`save_dit(video_shift=...)`), else None."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    with safe_open(path, framework="pt", device="cpu") as f:
+        value = (f.metadata() or {}).get(VIDEO_SHIFT_METADATA)
+    try:
+        return None if value is None else float(value)
+    except ValueError:
+        raise CheckpointError(f"{path.name}: the header's {VIDEO_SHIFT_METADATA!r} is {value!r}, not a number") from None
+
+
 def load_dit(path: str | Path, config: H3Config | None = None, dtype: torch.dtype = torch.bfloat16,
              device: torch.device | str = "cpu", layout: str | None = None) -> H3DiT:
     """Load an H3 DiT from any layout, strictly: every tensor exactly once, no extra key, every shape and dtype
@@ -554,13 +568,14 @@ def quant_specs(model: torch.nn.Module) -> dict[str, QuantSpec]:
 
 
 def save_dit(model: H3DiT, path: str | Path, layout: str = "comfy", shards: int = 1, markers: str = "tensor",
-             curve_dtype: torch.dtype = torch.float16) -> Path:
+             curve_dtype: torch.dtype = torch.float16, video_shift: float | None = None) -> Path:
     """Write `model` in a layout: comfy = one file at `path`; original/diffusers = a directory with config.json,
     and with `shards` > 1 an index plus `{model|diffusion_pytorch_model}-0000i-of-0000N.safetensors`.
 
     A quantized model (comfy only) is written in Comfy's schema; `markers` says where its layers are named:
     "tensor" (`<layer>.comfy_quant` U8 JSON), "metadata" (`__metadata__` _quantization_metadata) or "both". A
-    pruned model's AdaLN projections are stored in `curve_dtype` (the Comfy files store F16; they load as fp32)."""
+    pruned model's AdaLN projections are stored in `curve_dtype` (the Comfy files store F16; they load as fp32).
+    `video_shift` (comfy only): the video schedule's shift the weights were trained for, in the header."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     config, path = model.config, Path(path)
@@ -582,10 +597,12 @@ def save_dit(model: H3DiT, path: str | Path, layout: str = "comfy", shards: int 
         if markers in ("tensor", "both"):
             for name, marker in layers.items():
                 sd[f"{name}.{MARKER}"] = torch.tensor(list(json.dumps(marker).encode()), dtype=torch.uint8)
-        metadata = None
+        metadata = {}
         if quant and markers in ("metadata", "both"):
-            metadata = {QUANT_METADATA: json.dumps({"format_version": "1.0", "layers": layers})}
-        _write(sd, path, metadata)
+            metadata[QUANT_METADATA] = json.dumps({"format_version": "1.0", "layers": layers})
+        if video_shift is not None:
+            metadata[VIDEO_SHIFT_METADATA] = repr(float(video_shift))
+        _write(sd, path, metadata or None)
         return path
 
     path.mkdir(parents=True, exist_ok=True)

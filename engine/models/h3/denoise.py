@@ -52,14 +52,16 @@ class Target:
 def denoise(dit: H3DiT, layout: L.PackedLayout, text: torch.Tensor, video: Target, audio: Target, steps: int,
             cond_video: torch.Tensor | None = None, cond_audio: torch.Tensor | None = None,
             on_step: Callable[[int, int, torch.Tensor], None] | None = None,
-            modulations: Callable | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            modulations: Callable | None = None, start: int = 0,
+            video_shift: float = VIDEO_SHIFT) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the schedule from grid point `start` (a partial re-noise starts later); returns the final video and
     audio target rows. `on_step(step, total, video_x0_rows)`. `modulations(timestep)` returns the DiT's AdaLN
-    tables (a cache) or None."""
+    tables (a cache) or None. `video_shift`: the video schedule's shift (the release's 12 unless the weights were
+    trained for another)."""
     device = video.state.device
     cond_video = video.state[:, :0] if cond_video is None else cond_video
     cond_audio = audio.state[:, :0] if cond_audio is None else cond_audio
-    sig_v, sig_a = sigmas(steps, VIDEO_SHIFT), sigmas(steps, AUDIO_SHIFT)
+    sig_v, sig_a = sigmas(steps, video_shift), sigmas(steps, AUDIO_SHIFT)
     last = min(len(sig_v), len(sig_a)) - 1
     total = last - start
     for i in range(start, last):

@@ -27,10 +27,11 @@ from engine.cache.adaln import AdaLNCache
 from engine.cache.prompt import PromptCache, prompt_key
 from engine.kernels import attention, capability, fused, vsa
 from engine.models.h3 import layout as L
-from engine.models.h3.checkpoint import load_dit
+from engine.models.h3.checkpoint import load_dit, trained_video_shift
 from engine.models.h3.conditioner import Conditioner, build_tiny_conditioner
 from engine.models.h3.config import TINY, H3Config
 from engine.models.h3.denoise import Target, denoise
+from engine.models.h3.schedule import VIDEO_SHIFT
 from engine.models.h3.dit import H3DiT, build_dit
 from engine.models.h3.lora import load_lora, merge_lora, unmerge_lora
 from engine.models.h3.partitions import PARTITIONS, Partitions
@@ -121,6 +122,7 @@ class H3Pipeline:
         self.text_streamer: BlockStreamer | None = None  # `stream_text_encoder`: its layers live in host memory
         self.memory_plan = None  # engine.runtime.placement.EnginePlan, when the engine planned its memory
         self.parallel = Parallel(Mesh(1))  # this rank's TP and Ulysses groups (engine/parallel/mesh.py)
+        self.video_shift = VIDEO_SHIFT  # the video schedule's shift; a DiT file may name the one it was trained for
 
     @classmethod
     def from_preset(cls, preset: str = "toy", device: str | torch.device = "cpu", seed: int = 0,
@@ -194,6 +196,7 @@ class H3Pipeline:
                    load_audio_vae_file(audio_vae, configs.get("audio_vae")).to(device), conditioner,
                    configs.get("canvas", FULL_CANVAS), device, Path(dit).name, lora_roots,
                    partition_loaders(dit, ref_dit, dtype, device))
+        pipe.video_shift = trained_video_shift(dit) or VIDEO_SHIFT
         pipe.files = {role: describe_file(path) for role, path in (
             ("dit", dit), ("text_encoder", text_encoder), ("video_vae", video_vae), ("audio_vae", audio_vae))}
         return pipe
@@ -437,7 +440,7 @@ class H3Pipeline:
         try:
             with self.sparse_attention(layout):
                 out = denoise(self.dit, layout, text, video, audio, steps, cond_video, cond_audio, report, schedule,
-                              start)
+                              start, self.video_shift)
         finally:
             if self.streamer is not None:
                 self.streamer.release()  # between jobs the host copies are the weights (LoRA merges land there)

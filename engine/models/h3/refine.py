@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engine.models.h3 import layout as L
 from engine.models.h3.denoise import Target
 from engine.models.h3.request import GenerateResult, RefineRequest
-from engine.models.h3.schedule import VIDEO_SHIFT, sigmas
+from engine.models.h3.schedule import sigmas
 from engine.models.h3.source import audio_latents, encode_video, pad_frames, prepare_clip
 
 SCALES = (1.5, 2.0)
@@ -29,11 +29,11 @@ def upscale_latents(latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return x.permute(1, 0, 2, 3)[None].contiguous()
 
 
-def refine_schedule(steps: int, strength: float) -> tuple[int, int]:
+def refine_schedule(steps: int, strength: float, shift: float) -> tuple[int, int]:
     """(grid points, start index) of the shifted video schedule so that `steps - 1` evaluations run at
     sigma <= strength: the second pass starts from a partly noised clip, not from pure noise."""
     for points in range(max(steps, 2), 4001):
-        below = int((sigmas(points, VIDEO_SHIFT) <= strength + 1e-7).sum())
+        below = int((sigmas(points, shift) <= strength + 1e-7).sum())
         if below >= steps:
             return points, points - below
     raise L.LayoutError(f"Refine strength {strength:g} is too low for {steps} steps; raise it or use fewer steps.")
@@ -64,8 +64,8 @@ def run_refine(pipe, req: RefineRequest, on_step=None) -> GenerateResult:
 
     text, tags = pipe.encode_prompt(req.prompt.strip())
     layout = L.build_layout(tags, T, h, w, Ta, cfg.patch_size[1:])
-    points, start = refine_schedule(steps, float(req.strength))
-    sigma0 = float(sigmas(points, VIDEO_SHIFT)[start])
+    points, start = refine_schedule(steps, float(req.strength), pipe.video_shift)
+    sigma0 = float(sigmas(points, pipe.video_shift)[start])
     gen = torch.Generator("cpu").manual_seed(int(req.seed))
     noise = pipe.noise(gen, 1, cfg.in_channels, T, h, w)
     video = Target(L.patchify((1 - sigma0) * up + sigma0 * noise))
