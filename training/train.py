@@ -452,6 +452,8 @@ def encoded(pipe: H3Pipeline, clips, cache: Path | None) -> list[dict]:
     """`prepare`d clips, through a cache file when given (a second run on a warm machine skips the encoding)."""
     if cache is not None and cache.is_file():
         data = torch.load(cache, map_location=pipe.device)
+        for sample in data:  # the layouts' tags stay on the host, as `prepare` made them
+            sample["tags"] = {k: v.cpu() for k, v in sample["tags"].items()}
         if clips is None or len(data) == len(clips):
             return data
     data = prepare(pipe, clips)
