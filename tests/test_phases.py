@@ -42,6 +42,13 @@ def calls(module) -> Counter:
     return seen
 
 
+def items(module) -> Counter:
+    """Counts the batch items of the module's forward calls (under the key "n") while the hook is registered."""
+    seen = Counter()
+    module.register_forward_hook(lambda _, args, __: seen.update(n=args[0].shape[0]))
+    return seen
+
+
 def phases(events):
     """[(stage, detail, [done, ...]), ...]: consecutive PhaseEvents of one phase grouped (a phase restarts at 0)."""
     out = []
@@ -60,7 +67,8 @@ def test_an_edit_reports_every_chunk_of_every_phase():
     pipe = H3Pipeline.from_preset("tiny")
     pipe.canvas = Canvas(short_edge=32, max_pixels=32 * 32, default_steps=3)  # small, so it runs in seconds
     pipe.encode_mp4 = False
-    encoder_clips, decoder_clips = calls(pipe.video_vae.model.encoder), calls(pipe.video_vae.model.decoder)
+    # The fast VAE path batches every tile of every clip; on this one-tile canvas a batch item is a clip.
+    encoder_clips, decoder_clips = items(pipe.video_vae.fast_encoder()), items(pipe.video_vae.fast_decoder())
     source = Source(frames(124, 48, 48), audio=np.zeros((2, 5 * 32000), np.float32))
     events = []
     result = pipe.edit(EditRequest(source, np.ones((48, 48), np.float32), prompt="a ball"), on_step=events.append)
@@ -91,11 +99,10 @@ def test_an_upscale_reports_every_vae_chunk_and_tile():
     (stage, _, total, done), = phases(events)
     assert stage == "upscaling" and done == list(range(total + 1))
     parts = Counter(e.detail for e in events if e.done)
-    assert parts["batch 1/2: VAE encode"] + parts["batch 2/2: VAE encode"] == encodes["n"]  # chunk x tile
-    assert parts["batch 1/2: VAE decode"] + parts["batch 2/2: VAE decode"] == decodes["n"]
-    assert encodes["n"] == 2 * 2 * 4  # 2 batches x 2 chunks of 13 frames x 4 tiles of 32x32
-    assert parts["batch 1/2: DiT"] == parts["batch 2/2: done"] == 1
-    assert [e.preview.shape for e in events if e.preview is not None] == [(32, 32, 3)] * 2
+    assert parts["VAE encode"] * 4 == encodes["n"] == 3 * 4  # the clip's chunks (9, 8, 4 frames) x 4 tiles of 32x32
+    assert parts["VAE decode"] * 4 == decodes["n"] == 3 * 4  # its 6 latents' chunks (3, 2, 1) x 4 tiles
+    assert parts["batch 1/2: DiT"] == parts["batch 2/2: DiT"] == 1  # latents 0-3 and 2-5
+    assert [e.preview.shape for e in events if e.preview is not None] == [(32, 32, 3)] * 3  # one per decode chunk
 
 
 def test_the_tiny_preset_maps_named_resolutions_to_small_sizes_and_bounds_the_area():
@@ -172,8 +179,8 @@ def test_two_ranks_stop_at_the_same_vae_boundary_and_run_the_next_job(tmp_path):
     mp.spawn(_cancel_rank, args=(str(tmp_path / "store"), tmp_path), nprocs=2)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0 == rank1  # the same boundary on both ranks, then the same clean job
-    assert rank0[0].startswith("Cancelled while upscaling (batch 1/1: VAE encode), at 2 of ")
-    assert rank0[1].startswith("Cancelled while upscaling (batch 1/1: VAE decode), at ")
+    assert rank0[0].startswith("Cancelled while upscaling (VAE encode), at 2 of ")
+    assert rank0[1].startswith("Cancelled while upscaling (VAE decode), at ")
     assert rank0[2] == "done (25, 48, 48, 3)"
 
 

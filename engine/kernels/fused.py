@@ -5,6 +5,9 @@ six [S, hidden] AdaLN rows per block, and norm, modulation, residual, RoPE and S
 activation again. On CUDA these functions run the Triton kernels of `fused_triton.py`, which read the AdaLN table
 rows in place and compute in fp32 with one rounding at the end; on the CPU (or without triton) they run the reference
 maths below, which is the eager block exactly (so CPU results do not change).
+
+The plain pre-norm blocks (the video VAE's ViT decoder) have per-channel layer scales instead of AdaLN tables and
+keep an fp32 residual stream under half-precision GEMMs: `rms_norm`, `scaled_residual` and `scaled_residual_norm`.
 """
 
 from __future__ import annotations
@@ -62,6 +65,35 @@ def gated_residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, ro
         return fused_triton.residual_norm(x, y, gate, rows, norm.weight, norm.eps, shift, scale)
     x = gated_residual(x, y, gate, rows)
     return x, modulated_rms_norm(x, norm, shift, scale, rows)
+
+
+def rms_norm(x: torch.Tensor, norm: nn.RMSNorm, dtype: torch.dtype) -> torch.Tensor:
+    """norm(x) computed in fp32, returned in `dtype` (a half-precision GEMM's input)."""
+    if _triton(x):
+        from engine.kernels import fused_triton
+
+        return fused_triton.scaled_residual_norm(x, None, None, norm.weight, norm.eps, dtype)[1]
+    return norm(x.float()).to(dtype)
+
+
+def scaled_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x + y * gate, gate a per-channel [N] layer scale (the result in x's dtype: an fp32 residual stays fp32)."""
+    if _triton(x):
+        from engine.kernels import fused_triton
+
+        return fused_triton.scaled_residual_norm(x, y, gate, None, None, None)[0]
+    return (x + y * gate).to(x.dtype)
+
+
+def scaled_residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, norm: nn.RMSNorm,
+                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + y * gate, and rms_norm of that in `dtype`): the attention residual and the MLP's input at once."""
+    if _triton(x):
+        from engine.kernels import fused_triton
+
+        return fused_triton.scaled_residual_norm(x, y, gate, norm.weight, norm.eps, dtype)
+    x = scaled_residual(x, y, gate)
+    return x, rms_norm(x, norm, dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,41 @@ def residual_norm(x, y, gate, rows, weight=None, eps=None, shift=None, scale=Non
 
 
 @triton.jit
+def _scaled_residual_norm_kernel(X, Y, GATE, W, OUT_X, OUT_H, N, eps,
+                                 RESIDUAL: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(X + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        gate = tl.load(GATE + cols, mask=ok, other=0.0).to(tl.float32)
+        y = tl.load(Y + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+        stored = (x + y * gate).to(OUT_X.dtype.element_ty)
+        tl.store(OUT_X + row * N + cols, stored, mask=ok)
+        x = stored.to(tl.float32)
+    if NORM:
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT_H + row * N + cols, (x * rstd * w).to(OUT_H.dtype.element_ty), mask=ok)
+
+
+def scaled_residual_norm(x, y, gate, weight, eps, out_dtype):
+    """(x + y * gate when `y` is given, else x; and rms_norm(that) * weight in `out_dtype` when `weight` is given,
+    else None); gate and weight are per-channel [N] vectors."""
+    x = x.contiguous()
+    N = x.shape[-1]
+    residual, norm = y is not None, weight is not None
+    out_x = torch.empty_like(x) if residual else x
+    out_h = torch.empty_like(x, dtype=out_dtype) if norm else None
+    _scaled_residual_norm_kernel[(x.numel() // N,)](
+        x, y.contiguous() if residual else x, gate if residual else x, weight if norm else x, out_x,
+        out_h if norm else x, N, float(eps or 0.0),
+        RESIDUAL=residual, NORM=norm, BLOCK=triton.next_power_of_2(N), num_warps=8,
+    )
+    return out_x, out_h
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     QKV, Q, K, V, QW, KW, COS, SIN,
     S, H, eps,

@@ -40,7 +40,7 @@ def pipeline_sizes(pipe) -> ModelSizes:
     return ModelSizes(unit_params=unit_params, units=len(units), dit_other_bytes=_bytes(other),
                       text_encoder_bytes=module_bytes(text),
                       text_encoder_layers=len(text.model.language_model.layers),
-                      vae_bytes=module_bytes(pipe.video_vae.model) + module_bytes(pipe.audio_vae.model),
+                      vae_bytes=pipe.video_vae.served_bytes() + module_bytes(pipe.audio_vae.model),
                       hidden=c.hidden_size, inner=c.inner_dim, ffn=c.ffn_dim, heads=c.num_attention_heads,
                       stored=stored_precision(dit), tp_degrees=tuple(tensor.tp_degrees(c)))
 

@@ -1,11 +1,12 @@
 """MiniMax-H3 video and audio VAEs (specs/h3.md §3) over diffusers' `AutoencoderKLMiniMaxH3{,Audio}`.
 
 The wrappers own what the pipeline does around the autoencoders: per-channel latent normalisation, the
-ImageNet pixel convention, the keyframe/reference encode recipe, tiled decode streamed chunk by chunk, fp16
-autocast on CUDA (the decoder's weights cast once), the uint8 conversion on the device, and stereo-as-batch
-audio. Loading: the diffusers layout (`vae/`, `audio_vae/`), the original MiniMax layout (`video_vae/` +
-`source/`, `audio_vae/` + `metadata.json`), and the `tiny` preset (same architectures at tiny width, weights from
-a fixed seed, no files).
+ImageNet pixel convention, the keyframe/reference encode recipe, tiled decode streamed chunk by chunk, the uint8
+conversion on the device, and stereo-as-batch audio. The video VAE runs its fast path (`video_vae_fast`: weights
+repacked, every tile of every clip batched; bf16 decoder and encoder on CUDA) unless `reference` asks for
+diffusers' own loops (fp16 autocast over the decoder's weights cast once on CUDA, the encoder in fp32). Loading:
+the diffusers layout (`vae/`, `audio_vae/`), the original MiniMax layout (`video_vae/` + `source/`, `audio_vae/` +
+`metadata.json`), and the `tiny` preset (same architectures at tiny width, weights from a fixed seed, no files).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 from engine.io.convert import to_uint8_frames
 from engine.models.h3.checkpoint import deinterleave_qkv, interleave_qkv, swap_halves
 from engine.models.h3.layout import CLIP_LENGTH, LATENTS_PER_CHUNK, latent_frames
+from engine.models.h3.video_vae_fast import CausalEncoder, ViTDecoder, decode_clips, encode_video
 
 # Spec §3.1, exactly as published.
 VIDEO_LATENTS_MEAN = (
@@ -280,12 +282,23 @@ def video_vae_config_from_original(wrapper: dict, source: dict) -> dict:
 
 
 class VideoVAE(nn.Module):
-    """`AutoencoderKLMiniMaxH3` plus the 24-channel latent statistics; see the module docstring."""
+    """`AutoencoderKLMiniMaxH3` plus the 24-channel latent statistics; see the module docstring.
+
+    `reference`: run diffusers' loops (the oracle) instead of the fast path. The fast path's networks are packed
+    from `model` on first use, and again when the device, a precision below or `model`'s weights (trained in place)
+    change: `decode_dtype` and `encode_dtype` are their CUDA compute dtypes (the CPU computes in fp32),
+    `decode_fp8` turns the decoder blocks' GEMMs to float8 (with bf16 activations).
+    """
 
     def __init__(self, model: AutoencoderKLMiniMaxH3, latents_mean=VIDEO_LATENTS_MEAN,
                  latents_std=VIDEO_LATENTS_STD, tile_size: int = TILE_SIZE, tile_overlap: int = TILE_OVERLAP,
-                 latent_rgb=(VIDEO_LATENT_RGB_FACTORS, VIDEO_LATENT_RGB_BIAS)):
+                 latent_rgb=(VIDEO_LATENT_RGB_FACTORS, VIDEO_LATENT_RGB_BIAS), reference: bool = False):
         super().__init__()
+        self.reference = reference
+        # bf16: 3.4 s and 69 dB against diffusers fp32 for 124 frames 1344x768 on an H200, fp16 3.7 s and 85 dB
+        # (benchmarks/results/h3_vae_h200_run1.json)
+        self.decode_dtype, self.encode_dtype, self.decode_fp8 = torch.bfloat16, torch.bfloat16, False
+        self._fast: dict[str, tuple[tuple, nn.Module]] = {}  # kind -> (key, network); not submodules
         _check_stats(latents_mean, latents_std, model.config.latent_channels, "video VAE")
         self.model = model.eval()
         # (factors [24, 3], bias [3]) of the live previews' linear latent -> RGB projection, on the CPU
@@ -305,6 +318,49 @@ class VideoVAE(nn.Module):
     @property
     def spatial_compression(self) -> int:
         return self.model.spatial_compression_ratio
+
+    def place(self, device: torch.device) -> None:
+        """Serve on `device`. On a GPU only the fast networks go there (packed now, not at the first request):
+        diffusers' fp32 model, the oracle (10.4 GB at full size), stays in host memory."""
+        device = torch.device(device)
+        if device.type != "cuda" or self.reference:
+            self.to(device)
+            return
+        self.model.cpu()
+        for name, buffer in self._buffers.items():
+            self._buffers[name] = buffer.to(device)
+        self.fast_decoder()
+        self.fast_encoder()
+
+    def served_bytes(self) -> int:
+        """What `place` puts on a GPU: the decoder's GEMM weights in its compute dtype (fp8: 1 byte), the
+        encoder's convolutions in theirs, and their fp32 norms, scales and small projections."""
+        gemm = 1 if self.decode_fp8 else torch.finfo(self.decode_dtype).bits // 8
+        conv = torch.finfo(self.encode_dtype).bits // 8
+        total = 0
+        for module in (self.model.decoder, self.model.post_quant_conv, self.model.encoder, self.model.quant_conv):
+            for name, p in module.named_parameters():
+                half = p.dim() > 1 and module is not self.model.quant_conv and "proj_in" not in name
+                total += p.numel() * ((gemm if module is self.model.decoder else conv) if half else 4)
+        return total
+
+    def _fast_network(self, kind: str, build: Callable[[torch.dtype], nn.Module], dtype: torch.dtype,
+                      *options) -> nn.Module:
+        dtype = dtype if self.device.type == "cuda" else torch.float32
+        key = (self.device, dtype, *options, sum(p._version for p in self.model.parameters()))
+        if kind not in self._fast or self._fast[kind][0] != key:
+            self._fast.pop(kind, None)  # the old copy goes before the new one is packed
+            self._fast[kind] = key, build(dtype)
+        return self._fast[kind][1]
+
+    def fast_decoder(self) -> ViTDecoder:
+        fp8 = self.decode_fp8
+        dtype = torch.bfloat16 if fp8 else self.decode_dtype  # fp8 GEMMs scale rows into bf16 outputs
+        return self._fast_network("decoder", lambda dt: ViTDecoder.from_diffusers(self.model, dt, self.device, fp8),
+                                  dtype, fp8)
+
+    def fast_encoder(self) -> CausalEncoder:
+        return self._fast_network("encoder", lambda dt: CausalEncoder(self.model, dt, self.device), self.encode_dtype)
 
     def encode_chunks(self, num_frames: int) -> int:
         """How often `encode_frames` of `num_frames` frames calls `on_chunk`: once per clip of 17 frames."""
@@ -337,8 +393,10 @@ class VideoVAE(nn.Module):
         return (z - self.latents_mean) / self.latents_std
 
     def _encoded_clips(self, x: torch.Tensor, on_chunk: Callable[[], None]) -> torch.Tensor:
-        """diffusers' `_encode` loop (clips of 17 frames, the last padded by repetition, `token_drop` trailing
-        latents dropped), with `on_chunk()` after every clip."""
+        """diffusers' `_encode` (clips of 17 frames, the last padded by repetition, `token_drop` trailing latents
+        dropped) of pixels [B, 3, F, H, W], with `on_chunk()` after every clip: the fast path, or diffusers' loop."""
+        if not self.reference:
+            return encode_video(self.fast_encoder(), self.model, x, on_chunk)
         model, clip = self.model, self.model.config.clip_length
         if x.shape[2] == 1:
             moments = model._encode_clip(x)
@@ -379,9 +437,9 @@ class VideoVAE(nn.Module):
         """Normalised latents [1, 24, T, h, w] -> uint8 frames [n, H, W, 3] on the CPU, one VAE chunk at a time.
 
         diffusers' `_decode` loop, yielding each chunk once it is final (cross-faded with the next clip's head) so
-        a consumer (the MP4 encoder) works while the next one decodes; joined, they are diffusers' `decode`
-        exactly. Tiled as diffusers tiles; fp16 autocast over the fp32 weights on CUDA (the reference recipe), fp32
-        elsewhere. T = 5n + 2 gives F = 17n + 5: n chunks of 17 frames, then 5.
+        a consumer (the MP4 encoder) works while the next one decodes; joined, they are diffusers' `decode` (to
+        rounding on the fast path, exactly with `reference`). Tiled as diffusers tiles. T = 5n + 2 gives
+        F = 17n + 5: n chunks of 17 frames, then 5.
         """
         if latents.dim() != 5 or latents.shape[0] != 1:
             raise ValueError(f"expected latents [1, C, T, h, w], got {tuple(latents.shape)}")
@@ -404,8 +462,9 @@ class VideoVAE(nn.Module):
         """Cast the decoder's convolution and projection weights to the autocast dtype once, as autocast would on
         every call (it caches no cast of a weight that needs no grad): the same rounding, so the same output (bit
         for bit on the H200), without ~160 000 cast kernels per 5 s 1344x768 decode (7.7 -> 7.4 s) and with half
-        of the decoder's 9.7 GB. Norms and the encoder keep their float32 weights."""
-        if self.model.post_quant_conv.weight.dtype == dtype:  # cast already (every decode on CUDA asks)
+        of the decoder's 9.7 GB. Norms and the encoder keep their float32 weights. The reference path on CUDA
+        casts them (the model is no fp32 oracle after that)."""
+        if self.model.post_quant_conv.weight.dtype == dtype:  # cast already (every reference decode on CUDA asks)
             return
         for module in (self.model.post_quant_conv, *self.model.decoder.modules()):
             if isinstance(module, (nn.Conv2d, nn.Conv3d, nn.Linear)):
@@ -417,20 +476,31 @@ class VideoVAE(nn.Module):
         model = self.model
         size, pre = model.tokens_chunk_size, model.frame_pre_padding
         span = size * model.temporal_compression_ratio
-        cuda = z.device.type == "cuda"
-        if cuda:
-            self.cast_decoder_weights(torch.float16)
+        windows = [z[:, :, i * size:(i + 1) * size + model.token_overlap]
+                   for i in range((z.shape[2] + model.config.token_drop) // size - 1)]
         overlap = None
-        for i in range((z.shape[2] + model.config.token_drop) // size - 1):
-            with torch.autocast("cuda", dtype=torch.float16, enabled=cuda):
-                clip = model._decode_clip(z[:, :, i * size:(i + 1) * size + model.token_overlap])
-                chunk = clip[:, :, pre:span]
-                if overlap is not None:
-                    chunk = model._blend(overlap, chunk, model.frame_overlap, dim=-3)
+        for clip in self._decoded_clips(windows):
+            chunk = clip[:, :, pre:span]
+            if overlap is not None:
+                chunk = model._blend(overlap, chunk, model.frame_overlap, dim=-3)
             # Past its chunk the clip decodes the head of the next one, cross-faded into the next clip's.
             overlap = clip[:, :, span + pre:2 * span]
             yield chunk
         yield overlap
+
+    def _decoded_clips(self, windows: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """Each latent window's tiled decode [1, 3, 4t, H, W]: the fast path, or diffusers' `_decode_clip` (fp16
+        autocast over the cast weights on CUDA, the released recipe)."""
+        if not self.reference:
+            yield from decode_clips(self.fast_decoder(), self.model, windows)
+            return
+        cuda = self.device.type == "cuda"
+        if cuda:
+            self.cast_decoder_weights(torch.float16)
+        for window in windows:
+            with torch.autocast("cuda", dtype=torch.float16, enabled=cuda):
+                clip = self.model._decode_clip(window)
+            yield clip
 
     def _host_frames(self, video: torch.Tensor) -> torch.Tensor:
         """Decoder output [1, 3, n, H, W] -> uint8 [n, H, W, 3] on the CPU (via pinned memory from CUDA)."""

@@ -1,0 +1,49 @@
+"""GroupNorm of every video frame on its own (statistics never mix frames), then SiLU: the norm of causal video
+encoders. On CUDA a channels-last activation takes two Triton passes (`group_norm_triton.py`): statistics, then
+normalise + affine + SiLU written once, straight into the caller's buffer (e.g. the interior of the next
+convolution's padded input), instead of the fold, norm, SiLU, unfold and pad copies of the eager path. Elsewhere the
+eager path runs, which is the per-frame GroupNorm of the reference exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from engine.kernels import fused
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.permute(0, 2, 3, 4, 1).is_contiguous()
+
+
+def frame_group_norm_silu(x: torch.Tensor, norm: nn.GroupNorm, out: torch.Tensor) -> torch.Tensor:
+    """out = silu(GroupNorm of each frame of x [N, C, T, H, W]) in out's dtype; out [N, C, T, H, W], any strides."""
+    if fused._triton(x) and _channels_last(x):
+        return frame_group_norm_silu_triton(x, norm, out)
+    n, c, t, h, w = x.shape
+    folded = x.permute(0, 2, 1, 3, 4).reshape(n * t, c, h, w)
+    y = F.silu(F.group_norm(folded, norm.num_groups, norm.weight, norm.bias, norm.eps))
+    return out.copy_(y.view(n, t, c, h, w).permute(0, 2, 1, 3, 4))
+
+
+def frame_group_norm_silu_triton(x: torch.Tensor, norm: nn.GroupNorm, out: torch.Tensor) -> torch.Tensor:
+    """The Triton path of `frame_group_norm_silu`, for a channels-last x."""
+    from engine.kernels import group_norm_triton
+
+    n, c, t, h, w = x.shape
+    rows = x.permute(0, 2, 3, 4, 1).view(n * t, h * w, c)
+    s1, s2 = group_norm_triton.shifted_sums(rows)
+    pixels, groups = h * w, norm.num_groups
+    channel_mean = rows[:, 0].float() + s1 / pixels
+    channel_m2 = (s2 - s1 * s1 / pixels).view(n * t, groups, -1)
+    channel_mean = channel_mean.view(n * t, groups, -1)
+    mean = channel_mean.mean(-1, keepdim=True)
+    # Chan et al.'s combination of per-channel moments into the group's.
+    m2 = channel_m2.sum(-1, keepdim=True) + pixels * (channel_mean - mean).square().sum(-1, keepdim=True)
+    rstd = torch.rsqrt(m2 / (pixels * channel_m2.shape[-1]) + norm.eps)
+    a = (rstd * norm.weight.float().view(groups, -1)).view(n * t, c)
+    b = norm.bias.float() - (mean * a.view(n * t, groups, -1)).view(n * t, c)
+    group_norm_triton.scale_shift_silu(rows, a.contiguous(), b.contiguous(), out)
+    return out

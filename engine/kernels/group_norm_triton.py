@@ -1,0 +1,82 @@
+"""Triton kernels behind engine/kernels/group_norm.py, for channels-last video activations: frame f's pixels are
+the rows of a contiguous [P, C] block at f * P * C.
+
+`shifted_sums`: per frame and channel, the sums of (x - x0) and (x - x0)^2 over a chunk of pixels (x0: the frame's
+first pixel, so the variance never comes from a difference of two large sums). `scale_shift_silu`: silu(x * a + b)
+with one (a, b) row per frame, written through any output strides (the interior of a padded buffer).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 2048  # pixels per statistics program
+
+
+@triton.jit
+def _shifted_sums_kernel(X, S1, S2, P, C, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    frame = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    base = X + frame * P * C
+    shift = tl.load(base + cols, mask=col_ok, other=0.0).to(tl.float32)
+    acc1 = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, P), BLOCK_P):
+        pix = (start + tl.arange(0, BLOCK_P)).to(tl.int64)
+        ok = (pix < P)[:, None] & col_ok[None, :]
+        x = tl.load(base + pix[:, None] * C + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        d = tl.where(ok, x - shift[None, :], 0.0)
+        acc1 += d
+        acc2 += d * d
+    out = (frame * tl.num_programs(1) + chunk) * C + cols
+    tl.store(S1 + out, tl.sum(acc1, axis=0), mask=col_ok)
+    tl.store(S2 + out, tl.sum(acc2, axis=0), mask=col_ok)
+
+
+def _blocks(C: int) -> tuple[int, int]:
+    block_c = min(triton.next_power_of_2(C), 128)
+    return max(16, 4096 // block_c), block_c
+
+
+def shifted_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [F, P, C] contiguous -> (sum of x - x[:, :1], sum of its square), fp32 [F, C] each."""
+    F, P, C = rows.shape
+    block_p, block_c = _blocks(C)
+    chunks = triton.cdiv(P, CHUNK)
+    s1 = torch.empty(F, chunks, C, dtype=torch.float32, device=rows.device)
+    s2 = torch.empty_like(s1)
+    _shifted_sums_kernel[(F, chunks, triton.cdiv(C, block_c))](
+        rows, s1, s2, P, C, CHUNK=CHUNK, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4)
+    return s1.sum(1), s2.sum(1)
+
+
+@triton.jit
+def _scale_shift_silu_kernel(X, A, B, OUT, P, C, T, W, o_n, o_c, o_t, o_h, o_w,
+                             BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    pix = (tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)
+    frame = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    ok = (pix < P)[:, None] & col_ok[None, :]
+    x = tl.load(X + frame * P * C + pix[:, None] * C + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    a = tl.load(A + frame * C + cols, mask=col_ok, other=0.0)
+    b = tl.load(B + frame * C + cols, mask=col_ok, other=0.0)
+    y = x * a[None, :] + b[None, :]
+    y = y * tl.sigmoid(y)
+    dst = (frame // T) * o_n + (frame % T) * o_t + (pix // W * o_h + pix % W * o_w)[:, None] + cols[None, :] * o_c
+    tl.store(OUT + dst, y.to(OUT.dtype.element_ty), mask=ok)
+
+
+def scale_shift_silu(rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out[n, :, t, h, w] = silu(rows[n * T + t, h * W + w] * a[n * T + t] + b[n * T + t]); rows [F, P, C]
+    contiguous, a and b fp32 [F, C], out [N, C, T, H, W] with any strides."""
+    F, P, C = rows.shape
+    T, W = out.shape[2], out.shape[4]
+    block_p, block_c = _blocks(C)
+    _scale_shift_silu_kernel[(triton.cdiv(P, block_p), F, triton.cdiv(C, block_c))](
+        rows, a, b, out, P, C, T, W, *(out.stride(i) for i in range(5)), BLOCK_P=block_p, BLOCK_C=block_c,
+        num_warps=4)

@@ -1,0 +1,241 @@
+"""The video VAE's fast path (engine/models/h3/video_vae_fast.py) against diffusers on the tiny preset (the real
+compression), in fp32: decode and encode, tiled on an odd 3 x 5 grid whose overlaps are widened, untiled, every
+latent / frame count, batch limits that split the batched calls differently; and its kernels (Triton interpreted on
+the CPU) against the eager maths."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from engine.kernels import fused, group_norm
+from engine.models.h3 import vae as V
+from engine.models.h3.video_vae_fast import TileGrid, decode_clips, encode_video
+from engine.quant.transform import QuantSwiGLU
+from triton_interpreter import load_kernels
+
+TOL = 1e-5
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels compiled on a GPU, else interpreted
+# 48-px tiles, 16-px overlaps: a 96 x 160 canvas is 3 x 5 tiles, and the slack widens the first overlap of each axis;
+# the encoder (costlier on the CPU) gets 96 x 64, 3 x 2 tiles, both axes widened too.
+TILE, OVERLAP, HEIGHT, WIDTH = 48, 16, 96, 160
+ENCODE_WIDTH = 64
+
+
+@pytest.fixture(scope="module")
+def vae():
+    return V.VideoVAE(V.build_tiny_video_vae(seed=0).model, tile_size=TILE, tile_overlap=OVERLAP)
+
+
+@pytest.fixture(scope="module")
+def untiled():
+    vae = V.build_tiny_video_vae(seed=1)
+    vae.model.disable_tiling()
+    return vae
+
+
+def latents(num, h, w, seed=0):
+    return torch.randn(1, 24, num, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+def pixels(batch, frames, height, width, seed=0):
+    return torch.randn(batch, 3, frames, height, width, generator=torch.Generator().manual_seed(seed))
+
+
+def max_err(a, b):
+    assert a.shape == b.shape
+    return (a - b).abs().max().item()
+
+
+def test_the_test_canvas_is_an_odd_grid_with_widened_overlaps(vae):
+    grid = TileGrid.of(vae.model, HEIGHT, WIDTH)
+    assert (len(grid.rows), len(grid.cols)) == (3, 5)
+    assert grid.row_overlaps == [32, 16] and grid.col_overlaps == [32, 16, 16, 16]
+    assert TileGrid.of(vae.model, HEIGHT, ENCODE_WIDTH).col_overlaps == [32]
+
+
+# --- decode ------------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+@pytest.mark.parametrize("tiled, num_latents", [(True, 12), (True, 17), (False, 7), (False, 12)])
+def test_decode_matches_diffusers(vae, untiled, tiled, num_latents):
+    vae = vae if tiled else untiled
+    z = latents(num_latents, HEIGHT // 16, WIDTH // 16, seed=num_latents) * vae.latents_std + vae.latents_mean
+    ours = torch.cat(list(vae._decoded_chunks(z)), dim=2)
+    assert max_err(ours, vae.model.decode(z, return_dict=False)[0]) < TOL
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("num_latents", [2, 7])
+def test_decode_chunks_match_the_reference_path(vae, num_latents):
+    """Through `decode_chunks` (the 2-latent special case, uint8 host frames): as the diffusers path gives them."""
+    z = latents(num_latents, HEIGHT // 16, WIDTH // 16, seed=10 + num_latents)
+    ours = list(vae.decode_chunks(z))
+    vae.reference = True
+    try:
+        reference = list(vae.decode_chunks(z))
+    finally:
+        vae.reference = False
+    assert [c.shape for c in ours] == [c.shape for c in reference]
+    assert max_err(torch.cat(ours).int(), torch.cat(reference).int()) <= 1  # float rounding may tip a level
+
+
+@torch.no_grad()
+def test_single_latent_decodes_as_one_tiled_clip(vae):
+    z = latents(1, HEIGHT // 16, WIDTH // 16, seed=3)
+    ours = next(decode_clips(vae.fast_decoder(), vae.model, [z]))
+    assert max_err(ours, vae.model._decode_clip(z)) < TOL
+
+
+@torch.no_grad()
+def test_served_bytes_are_what_the_packed_networks_hold(vae):
+    """The planner counts `served_bytes` for a GPU engine's video VAE: the packed bf16 decoder and encoder that
+    `place` puts on the device, not diffusers' fp32 model, which stays in host memory."""
+    from engine.models.h3.video_vae_fast import CausalEncoder, ViTDecoder
+
+    def held(module):
+        return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]
+                   if t.is_floating_point() and t.numel() > 1)
+
+    packed = (held(ViTDecoder.from_diffusers(vae.model, torch.bfloat16, torch.device("cpu")))
+              + held(CausalEncoder(vae.model, torch.bfloat16, torch.device("cpu"))))
+    diffusers = sum(p.numel() * 4 for p in vae.model.parameters())
+    assert abs(vae.served_bytes() - packed) <= 0.05 * packed
+    assert vae.served_bytes() < 0.6 * diffusers
+    vae.place(torch.device("cpu"))  # off a GPU `place` is a plain move: the reference path stays whole
+    assert vae.model.post_quant_conv.weight.device.type == "cpu"
+
+
+def test_decoder_batch_limits_do_not_change_the_output(vae):
+    """One tile per call, 4 per call (runs straddle clips: 15 tiles each), everything in one call."""
+    decoder = vae.fast_decoder()
+    z = latents(12, HEIGHT // 16, WIDTH // 16, seed=4)
+    windows = [z[:, :, :7], z[:, :, 5:12]]
+    tile_tokens = decoder.tokens(TileGrid.of(vae.model, HEIGHT, WIDTH).crops(windows[0], 16)[0].shape)
+    runs = [list(decode_clips(decoder, vae.model, windows, max_tokens=n * tile_tokens)) for n in (1, 4, 30)]
+    for run in runs[1:]:
+        for clip, first in zip(run, runs[0]):
+            assert max_err(clip, first) < TOL
+
+
+@torch.no_grad()
+def test_fp8_decoder_runs_dequantized_on_the_cpu(vae):
+    z = latents(7, HEIGHT // 16, WIDTH // 16, seed=5) * vae.latents_std + vae.latents_mean
+    exact = torch.cat(list(vae._decoded_chunks(z)), dim=2)
+    vae.decode_fp8 = True
+    try:
+        assert isinstance(vae.fast_decoder().blocks[0].ff, QuantSwiGLU)
+        approx = torch.cat(list(vae._decoded_chunks(z)), dim=2)
+    finally:
+        vae.decode_fp8 = False
+    assert 0 < max_err(approx, exact) < 0.1 * exact.abs().max().item()
+
+
+# --- encode ------------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+@pytest.mark.parametrize("num_frames", [1, 22, 39])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_encode_matches_diffusers(vae, untiled, num_frames, tiled):
+    vae = vae if tiled else untiled
+    height, width = (HEIGHT, ENCODE_WIDTH) if tiled else (64, 96)
+    x = pixels(1, num_frames, height, width, seed=num_frames)
+    calls = []
+    ours = vae._encoded_clips(x, lambda: calls.append(1))
+    assert len(calls) == vae.encode_chunks(num_frames)
+    assert max_err(ours, vae.model._encode(x)) < TOL
+
+
+@torch.no_grad()
+def test_encode_of_a_batch_and_its_posterior_match_diffusers(vae):
+    """Two videos at once (training encodes batches), frame count off the 17n + 5 rule (padded by repetition)."""
+    x = pixels(2, 10, HEIGHT, ENCODE_WIDTH, seed=6)
+    ours = vae._encoded_clips(x, lambda: None)
+    reference = vae.model.encode(x).latent_dist
+    assert max_err(ours, reference.parameters) < TOL
+
+
+@torch.no_grad()
+def test_encoder_batch_limits_do_not_change_the_output(vae):
+    """One tile per call, 4 per call (runs straddle the clips: 6 tiles each), all of a clip in one call."""
+    encoder = vae.fast_encoder()
+    x = pixels(1, 22, HEIGHT, ENCODE_WIDTH, seed=7)
+    runs = [encode_video(encoder, vae.model, x, lambda: None, max_voxels=n * 17 * TILE * TILE) for n in (1, 4, 12)]
+    for run in runs[1:]:
+        assert max_err(run, runs[0]) < TOL
+
+
+def test_encode_frames_recipe_matches_the_reference_path(untiled):
+    frames = torch.randint(0, 256, (22, 32, 48, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(8))
+    ours = untiled.encode_frames(frames)
+    untiled.reference = True
+    try:
+        reference = untiled.encode_frames(frames)
+    finally:
+        untiled.reference = False
+    # The same posterior sample: only where the fp16 rounding of the recipe tips does a value move (one fp16 step).
+    assert max_err(ours, reference) < 2e-3 * reference.abs().max().item()
+
+
+# --- kernels -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("channels, groups", [(12, 4), (256, 32)])
+def test_frame_group_norm_kernels_match_eager(channels, groups):
+    """Channels-last input 40 standard deviations from zero (the shifted sums keep the variance: the eager fp32 norm
+    is off by 1e-3 there), written into the interior of a padded channels-last buffer; against the eager fp64 norm."""
+    load_kernels("engine.kernels.group_norm_triton")
+    g = torch.Generator().manual_seed(channels)
+    n, t, h, w = 2, 3, 5, 7
+    x = (torch.randn(n, channels, t, h, w, generator=g) * 0.5 + 20.0).to(memory_format=torch.channels_last_3d)
+    norm = nn.GroupNorm(groups, channels, eps=1e-6)
+    norm.weight.data = 1 + 0.2 * torch.randn(channels, generator=g)
+    norm.bias.data = 0.2 * torch.randn(channels, generator=g)
+    want = torch.empty_like(x, dtype=torch.float64)
+    group_norm.frame_group_norm_silu(x.double(), norm.double(), want)
+    x, norm = x.to(DEVICE), norm.float().to(DEVICE)
+    buffer = torch.zeros(n, channels, t + 2, h + 2, w + 2, device=DEVICE).to(memory_format=torch.channels_last_3d)
+    group_norm.frame_group_norm_silu_triton(x, norm, buffer[:, :, 2:, 1:-1, 1:-1])
+    assert max_err(buffer[:, :, 2:, 1:-1, 1:-1].double().cpu(), want) < 1e-4
+    assert buffer[:, :, :2].abs().max() == 0 and buffer[..., 0].abs().max() == 0  # nothing written outside
+
+
+@pytest.mark.parametrize("out_dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_scaled_residual_norm_kernel_matches_eager(out_dtype, tol):
+    kernels = load_kernels("engine.kernels.fused_triton")
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(2, 11, 53, generator=g) for _ in range(2))
+    gate = 0.3 * torch.randn(53, generator=g)
+    norm = nn.RMSNorm(53, eps=1e-5)
+    norm.weight.data = 1 + 0.2 * torch.randn(53, generator=g)
+    with torch.no_grad():
+        want_x, want_h = fused.scaled_residual_norm(x, y.to(out_dtype), gate, norm, out_dtype)
+        want_norm, want_residual = fused.rms_norm(x, norm, out_dtype), fused.scaled_residual(x, y, gate)
+    x, y, gate, weight = (t.to(DEVICE) for t in (x, y, gate, norm.weight.detach()))
+    got_x, got_h = kernels.scaled_residual_norm(x, y.to(out_dtype), gate, weight, norm.eps, out_dtype)
+    assert got_x.dtype == torch.float32 and got_h.dtype == out_dtype
+    assert max_err(got_x.cpu(), want_x) < 1e-5
+    assert max_err(got_h.float().cpu(), want_h.float()) < tol
+    assert max_err(kernels.scaled_residual_norm(x, None, None, weight, norm.eps, out_dtype)[1].float().cpu(),
+                   want_norm.float()) < tol
+    assert max_err(kernels.scaled_residual_norm(x, y, gate, None, None, None)[0].cpu(), want_residual) < 1e-5
+
+
+# --- on a GPU ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.no_grad()
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+def test_half_precision_paths_on_the_gpu_stay_near_diffusers_fp32(dtype, tol):
+    """The compiled kernels, cuDNN / FA3 attention and channels-last convolutions on the tiny preset: relative max
+    error of the fast decode (fp16, bf16) and encode (bf16: 2.2 % where the CPU emulates it) against diffusers in fp32
+    on the same GPU."""
+    vae = V.VideoVAE(V.build_tiny_video_vae(seed=0).model, tile_size=TILE, tile_overlap=OVERLAP).to("cuda")
+    vae.decode_dtype = dtype
+    z = latents(12, HEIGHT // 16, WIDTH // 16).cuda() * vae.latents_std + vae.latents_mean
+    reference = vae.model.decode(z, return_dict=False)[0]
+    ours = torch.cat(list(vae._decoded_chunks(z)), dim=2)
+    assert max_err(ours, reference) < tol * reference.abs().max().item()
+    x = pixels(1, 22, HEIGHT, ENCODE_WIDTH).cuda()
+    reference = vae.model._encode(x)
+    ours = vae._encoded_clips(x, lambda: None)
+    assert max_err(ours, reference) < 5e-2 * reference.abs().max().item()
