@@ -11,17 +11,25 @@ Client -> engine:
     submit  {id, task, params, tensors: [names], mp4: bool}     + one binary frame per name, in order (tasks: see
                                                                    "task specs" below)
     cancel  {id, job}
-    attach  {id, job}
+    attach  {id, job, mp4, frames}                               frames = how many of the job's frames the client
+                                                                   holds (from result_chunks; absent: 0)
     status  {id}
 Engine -> client:
-    welcome  {id, version, limits, engine}
-    accepted {id, job, position}                                 position = jobs ahead of this one
-    progress {job, stage, step, total, eta_s, has_preview, position?, detail?}  + one JPEG frame ("preview", uint8 [N])
-             stage: queued | starting | denoising | decoding | upscaling; detail: e.g. "window 2/4"
-    result   {id?, job, meta, tensors: [names]}                  + frames uint8 [F,H,W,3], audio float32 [C,S] (absent
-                                                                   for a silent clip), mp4 uint8 [N]
-    status   {id, ...}                                           same body as GET /v1/status
-    error    {id?, job?, code, message}                          the message is written for an artist
+    welcome      {id, version, limits, engine}
+    accepted     {id, job, position}                             position = jobs ahead of this one
+    progress     {job, stage, step, total, eta_s, has_preview, position?, detail?}  + one JPEG frame ("preview",
+                 uint8 [N]); stage: queued | starting | denoising | decoding | upscaling; detail: e.g. "window 2/4"
+    result_chunk {job, start, stop, total, tensors: ["frames"]}  + frames uint8 [stop - start, H, W, 3]: the result's
+                                                                   frames [start, stop) of `total`, as they decode
+    result       {id?, job, start, meta, tensors: [names]}       + frames uint8 [F - start, H, W, 3] (absent when
+                                                                   start = F), audio float32 [C,S] (absent for a
+                                                                   silent clip), mp4 uint8 [N]
+    status       {id, ...}                                       same body as GET /v1/status
+    error        {id?, job?, code, message}                      the message is written for an artist
+
+Result frames go out once each, in order: t2va, fl2va, ref2va, edit and refine stream them in result_chunks as the
+VAE decodes them (extend and upscale send them all with the result), and the result carries the frames from `start`
+on, those the connection has not had. A client that reconnects attaches with the count it holds and gets the rest.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ DEFAULT_URL = f"ws://127.0.0.1:{DEFAULT_PORT}"
 TOKEN_FILE_ENV = "H3FORGE_TOKEN_FILE"
 
 CLIENT_TYPES = frozenset({"hello", "submit", "cancel", "attach", "status"})
-ENGINE_TYPES = frozenset({"welcome", "accepted", "progress", "result", "status", "error"})
+ENGINE_TYPES = frozenset({"welcome", "accepted", "progress", "result_chunk", "result", "status", "error"})
 
 FRAME_MAGIC = b"H3TF"
 _PREFIX = struct.Struct("<4sI")
@@ -140,7 +148,7 @@ def decode_control(text: str, limits: Limits | None = None, types: frozenset[str
 
 def frames_following(msg: dict) -> list[str]:
     """Names of the binary frames that come right after this control message."""
-    if msg["type"] in ("submit", "result"):
+    if msg["type"] in ("submit", "result_chunk", "result"):
         return list(msg.get("tensors") or [])
     if msg["type"] == "progress" and msg.get("has_preview"):
         return ["preview"]
@@ -280,6 +288,16 @@ def flag_field(msg: dict, key: str) -> bool:
         return False
     if not isinstance(value, bool):
         raise ProtocolError("invalid_request", f"'{key}' must be true or false, got {shown(value)}.")
+    return value
+
+
+def count_field(msg: dict, key: str) -> int:
+    """A count in a control message (absent or null: 0); anything but a whole number of at least 0 is refused."""
+    value = msg.get(key)
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProtocolError("invalid_request", f"'{key}' must be a whole number of at least 0, got {shown(value)}.")
     return value
 
 

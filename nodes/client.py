@@ -3,8 +3,9 @@
     client = EngineClient("ws://127.0.0.1:8190", token=...)
     result = await client.run("t2va", {"prompt": "...", "seconds": 5}, on_progress=print, cancel=event)
 
-`run` submits a job, streams its progress, sends `cancel` when the event is set, re-attaches to the job if the
-connection drops mid-job, and returns a JobResult. Every failure is an EngineError whose message an artist can
+`run` submits a job, streams its progress, takes the result's frames as the engine streams them (`on_frames` sees
+each chunk), sends `cancel` when the event is set, re-attaches to the job if the connection drops mid-job (asking
+only for the frames it lacks), and returns a JobResult. Every failure is an EngineError whose message an artist can
 act on.
 """
 
@@ -54,8 +55,10 @@ class ProgressEvent:
 @dataclass
 class JobResult:
     job: str
-    meta: dict  # task, params, notes, timings, fps, sample_rate, frames, width, height
-    frames: np.ndarray  # uint8 [F, H, W, 3] (read-only view of the received buffer)
+    # task, params, notes, fps, sample_rate, frames, width, height; timings: the engine's, and this client's
+    # client_last_frame_s and client_result_s (seconds from the submit or attach to the last frame, to the result)
+    meta: dict
+    frames: np.ndarray  # uint8 [F, H, W, 3] (read-only where it is the received buffer itself)
     audio: np.ndarray | None  # float32 [C, S]; None for a silent clip (an upscaled video without sound)
     sample_rate: int
     fps: float  # 24 for MiniMax-H3 results; an upscale keeps its source's rate
@@ -64,18 +67,53 @@ class JobResult:
 
 @dataclass
 class _JobWatch:
-    """One job being followed: what to call, and whether a cancel was asked for."""
+    """One job being followed: what to call, whether a cancel was asked for, the result's frames so far."""
 
     on_progress: Callable[[ProgressEvent], Awaitable[None] | None] | None
+    on_frames: Callable[[int, np.ndarray], Awaitable[None] | None] | None
     cancel: asyncio.Event | None
     deadline: float | None
     timeout: float | None
     mp4: bool
+    started: float  # loop time of the submit or attach
     job: str | None = None
     ws: aiohttp.ClientWebSocketResponse | None = None
     cancel_deadline: float | None = None  # set once the cancel went out
     ended: bool = False  # the engine sent the job's result or error
     tasks: list[asyncio.Task] = field(default_factory=list)
+    frames: np.ndarray | None = None  # uint8 [F, H, W, 3], filled as result_chunks arrive
+    received: int = 0  # frames in hand, the first `received` of the result
+    last_frame_at: float | None = None
+
+    async def take(self, start: int, total: int, pixels: np.ndarray) -> None:
+        """Frames [start, start + n) of the result's `total`; they must follow the ones in hand."""
+        if start != self.received or start + len(pixels) > total or (
+                self.frames is not None and (total, *pixels.shape[1:]) != self.frames.shape):
+            raise EngineError("bad_response", f"The engine sent frames {start} to {start + len(pixels)} of "
+                                              f"{total} of job {self.job} after {self.received} frames; expected the "
+                                              f"next ones, in order.")
+        if self.frames is None:
+            self.frames = np.empty((total, *pixels.shape[1:]), np.uint8)
+        target = self.frames[start:start + len(pixels)]
+        if pixels.nbytes > OFF_LOOP_BYTES:
+            await asyncio.to_thread(np.copyto, target, pixels)
+        else:
+            target[...] = pixels
+        self.received += len(pixels)
+        if self.received == total:
+            self.last_frame_at = asyncio.get_running_loop().time()
+
+    async def result_frames(self, start: int, total: int, rest: np.ndarray | None) -> np.ndarray:
+        """All `total` frames of the result: those streamed, then the `rest` the result carries from `start` on."""
+        if self.frames is None and start == 0 and rest is not None:  # nothing streamed: the received buffer itself
+            self.received, self.last_frame_at = total, asyncio.get_running_loop().time()
+            return rest
+        if rest is not None:
+            await self.take(start, total, rest)
+        if self.received != total:
+            raise EngineError("bad_response", f"The engine's result of job {self.job} holds {total} frames but "
+                                              f"{self.received} arrived.")
+        return self.frames
 
 
 class _Dropped(Exception):
@@ -162,8 +200,10 @@ class EngineClient:
     # ---- jobs ------------------------------------------------------------------------------------------------
     async def run(self, task: str, params: dict, tensors: dict[str, np.ndarray] | None = None,
                   on_progress=None, cancel: asyncio.Event | None = None, timeout: float | None = None,
-                  mp4: bool = False) -> JobResult:
-        """Runs one job to its end. `on_progress(ProgressEvent)` may be a function or a coroutine function."""
+                  mp4: bool = False, on_frames=None) -> JobResult:
+        """Runs one job to its end. `on_progress(ProgressEvent)` and `on_frames(start, frames)` (the result's frames
+        [start, start + n) as the engine streams them, before the result; read-only) may be functions or coroutine
+        functions."""
         tensors = {name: np.asarray(a) for name, a in (tensors or {}).items()}
         large = sum(a.nbytes for a in tensors.values()) > OFF_LOOP_BYTES
         try:  # same rules as the engine, without a round trip
@@ -173,7 +213,7 @@ class EngineClient:
                 protocol.validate_task(task, params, tensors)
         except protocol.ProtocolError as exc:
             raise EngineError(exc.code, exc.message) from None
-        watch = self._watch(on_progress, cancel, timeout, mp4)
+        watch = self._watch(on_progress, on_frames, cancel, timeout, mp4)
         submit_id = uuid.uuid4().hex
         async with self._session() as session:
             watch.ws = await self._open(session)
@@ -191,9 +231,9 @@ class EngineClient:
                 await self._stop_watch(watch)
 
     async def attach(self, job_id: str, on_progress=None, cancel: asyncio.Event | None = None,
-                     timeout: float | None = None, mp4: bool = False) -> JobResult:
+                     timeout: float | None = None, mp4: bool = False, on_frames=None) -> JobResult:
         """Follows a job submitted earlier (perhaps by another connection) to its end."""
-        watch = self._watch(on_progress, cancel, timeout, mp4)
+        watch = self._watch(on_progress, on_frames, cancel, timeout, mp4)
         watch.job = job_id
         async with self._session() as session:
             try:
@@ -206,9 +246,9 @@ class EngineClient:
     def _session(self) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout))
 
-    def _watch(self, on_progress, cancel, timeout, mp4) -> _JobWatch:
-        deadline = asyncio.get_running_loop().time() + timeout if timeout else None
-        return _JobWatch(on_progress, cancel, deadline, timeout, mp4)
+    def _watch(self, on_progress, on_frames, cancel, timeout, mp4) -> _JobWatch:
+        now = asyncio.get_running_loop().time()
+        return _JobWatch(on_progress, on_frames, cancel, now + timeout if timeout else None, timeout, mp4, now)
 
     async def _open(self, session: aiohttp.ClientSession, wait: float | None = None
                     ) -> aiohttp.ClientWebSocketResponse:
@@ -244,8 +284,8 @@ class EngineClient:
         return ws
 
     async def _send_attach(self, watch: _JobWatch) -> None:
-        await watch.ws.send_str(protocol.encode_control(
-            {"type": "attach", "id": uuid.uuid4().hex, "job": watch.job, "mp4": watch.mp4}))
+        await watch.ws.send_str(protocol.encode_control({"type": "attach", "id": uuid.uuid4().hex, "job": watch.job,
+                                                         "mp4": watch.mp4, "frames": watch.received}))
 
     async def _follow(self, session: aiohttp.ClientSession, watch: _JobWatch) -> JobResult:
         if watch.cancel is not None:
@@ -300,12 +340,22 @@ class EngineClient:
             outcome = watch.on_progress(event)
             if inspect.isawaitable(outcome):
                 await outcome
+        elif kind == "result_chunk" and msg["job"] == watch.job:
+            await watch.take(msg["start"], msg["total"], frames["frames"])
+            if watch.on_frames is not None:
+                outcome = watch.on_frames(msg["start"], frames["frames"])
+                if inspect.isawaitable(outcome):
+                    await outcome
         elif kind == "result" and msg["job"] == watch.job:
             watch.ended = True
             if watch.cancel_deadline is not None:  # it finished before the cancel took effect
                 raise EngineError("cancelled", "Cancelled.")
             meta, mp4 = msg["meta"], frames.get("mp4")
-            return JobResult(msg["job"], meta, frames["frames"], frames.get("audio"), int(meta["sample_rate"]),
+            video = await watch.result_frames(msg["start"], meta["frames"], frames.get("frames"))
+            now = asyncio.get_running_loop().time()
+            meta["timings"] = {**meta["timings"], "client_last_frame_s": round(watch.last_frame_at - watch.started, 3),
+                               "client_result_s": round(now - watch.started, 3)}
+            return JobResult(msg["job"], meta, video, frames.get("audio"), int(meta["sample_rate"]),
                              float(meta["fps"]), mp4.tobytes() if mp4 is not None else None)
         return None
 

@@ -1,4 +1,5 @@
-"""MP4 writing and reading through PyAV: stream layout, frame count, rate, size, lossy round trip, streaming."""
+"""MP4 writing and reading through PyAV: stream layout, frame count, rate, size, lossy round trip, streaming, the
+encoder settings per canvas."""
 
 import io
 from fractions import Fraction
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.io.video import Mp4Encoder, encode_mp4_bytes, read_video, write_mp4
+from engine.io.video import H264Options, Mp4Encoder, encode_mp4_bytes, h264_options, read_video, write_mp4
 
 H, W, F, SR = 128, 224, 22, 32000
 
@@ -90,7 +91,7 @@ def test_streamed_chunks_decode_like_write_mp4(tmp_path):
         for chunk in (frames[:5], torch.from_numpy(frames[5:14]), frames[14:]):  # uneven, torch or numpy
             encoder.add(chunk)
         size = encoder.close()
-    assert encoder.codec == "libx264" and size == streamed.stat().st_size
+    assert encoder.options.codec == "libx264" and size == streamed.stat().st_size
     out, fps, sound, rate = read_video(streamed)
     ref, ref_fps, ref_sound, ref_rate = read_video(whole)
     assert out.shape == ref.shape == (F, H, W, 3) and fps == ref_fps == 24 and rate == ref_rate == SR
@@ -104,8 +105,27 @@ def test_nvenc_falls_back_to_libx264_where_it_does_not_open(codec):
     buffer = io.BytesIO()
     with Mp4Encoder(buffer, codec=codec) as encoder:
         encoder.add(moving_gradient(3, 32, 32))
-    assert encoder.codec == "libx264"
+    assert encoder.options.codec == "libx264" and encoder.options.preset == "veryfast"
     assert read_video(buffer.getvalue())[0].shape == (3, 32, 32, 3)
+
+
+def test_encoder_settings_per_canvas_and_machine():
+    # libx264 on every core but the producer's; veryfast while a thread has at most 160 000 pixels of a frame
+    assert h264_options(1344, 768, 16, nvenc=False) == H264Options("libx264", "veryfast", 15)
+    assert h264_options(1344, 768, 8, nvenc=False) == H264Options("libx264", "veryfast", 7)
+    assert h264_options(1344, 768, 4, nvenc=False) == H264Options("libx264", "ultrafast", 3)
+    assert h264_options(1920, 1080, 16, nvenc=False).preset == "veryfast"
+    assert h264_options(3840, 2160, 16, nvenc=False).preset == "ultrafast"
+    assert h264_options(224, 128, 1, nvenc=False) == H264Options("libx264", "veryfast", 1)
+    assert h264_options(1344, 768, 16, nvenc=True) == H264Options("h264_nvenc", "veryfast", 15)  # the fallback's
+    assert H264Options("libx264", "ultrafast", 1).describe() == "libx264 (ultrafast, 1 thread)"
+    assert H264Options("h264_nvenc", "veryfast", 15).describe() == "h264_nvenc"
+
+
+def test_a_given_preset_overrides_the_canvas_choice():
+    with Mp4Encoder(io.BytesIO(), preset="ultrafast") as encoder:
+        encoder.add(moving_gradient(3, 32, 32))
+    assert encoder.options.preset == "ultrafast"
 
 
 def test_encoder_thread_errors_surface_from_close():

@@ -75,6 +75,9 @@ def test_control_round_trip_and_following_frames():
     assert protocol.frames_following(msg) == ["first_frame"]
     assert protocol.frames_following({"type": "progress", "has_preview": True}) == ["preview"]
     assert protocol.frames_following({"type": "progress", "has_preview": False}) == []
+    chunk = {"type": "result_chunk", "job": "j", "start": 17, "stop": 34, "total": 124, "tensors": ["frames"]}
+    assert protocol.frames_following(protocol.decode_control(protocol.encode_control(chunk),
+                                                             types=protocol.ENGINE_TYPES)) == ["frames"]
     assert protocol.decode_control('{"type": "welcome"}', types=protocol.ENGINE_TYPES)["type"] == "welcome"
 
 
@@ -165,7 +168,7 @@ def test_limits_from_an_older_engine_keep_the_defaults_of_what_it_does_not_annou
     assert Limits.from_dict({**Limits().to_dict(), "unknown_future_field": 1}) == Limits()
 
 
-def test_job_ids_and_flags_are_checked_and_echoed_only_in_part():
+def test_job_ids_flags_and_counts_are_checked_and_echoed_only_in_part():
     assert protocol.job_id("0" * 32) == "0" * 32
     for bad in ("f" * 100_000, "A" * 32, 7, None, ["x"]):
         with pytest.raises(ProtocolError) as err:
@@ -176,6 +179,10 @@ def test_job_ids_and_flags_are_checked_and_echoed_only_in_part():
     for bad in ("false", "true", 0, 1, []):
         with pytest.raises(ProtocolError, match="'mp4' must be true or false"):
             protocol.flag_field({"mp4": bad}, "mp4")
+    assert protocol.count_field({}, "frames") == 0 and protocol.count_field({"frames": 17}, "frames") == 17
+    for bad in (-1, 1.5, "17", True, [17]):
+        with pytest.raises(ProtocolError, match="'frames' must be a whole number"):
+            protocol.count_field({"frames": bad}, "frames")
 
 
 @pytest.mark.parametrize("params", [

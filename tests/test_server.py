@@ -21,6 +21,7 @@ from engine.models.h3.request import Cancelled
 from engine.runtime.agreement import PeerFailed
 from engine.server.scheduler import describe_failure
 from engine.server.store import FinishedJob, ResultStore
+import nodes.client
 from nodes.client import EngineClient, EngineError
 
 ENGINE_ARGS = ["--max-tensor-mb", "1"]  # small, so the oversized-frame test sends little
@@ -68,11 +69,39 @@ def check_result(result):
     assert (result.fps, result.sample_rate) == (24, SAMPLE_RATE)
 
 
-def test_t2va_job_streams_progress_and_returns_video_and_audio(engine):
-    events = []
+def joined(chunks) -> np.ndarray:
+    """Streamed (start, frames) chunks joined, each checked to start where the one before stopped."""
+    held = 0
+    for start, frames in chunks:
+        assert start == held, (start, held)
+        held += len(frames)
+    return np.concatenate([frames for _, frames in chunks])
+
+
+def test_t2va_job_streams_progress_and_its_frames_as_they_decode(engine):
+    events, chunks, happened = [], [], []
+
+    def on_progress(event):
+        events.append(event)
+        happened.append((event.stage, event.step, event.total))
+
+    def on_frames(start, frames):
+        chunks.append((start, frames.copy()))
+        happened.append(("frames", start))
+
     result = run(engine.client().run("t2va", {"prompt": "a red fox runs through snow, wind", "steps": 4, **SMALL},
-                                     on_progress=events.append))
+                                     on_progress=on_progress, on_frames=on_frames))
     check_result(result)
+    # Every frame once, in order, in the 8 VAE chunks of 124 frames; the first before the decode's last chunk.
+    assert [len(frames) for _, frames in chunks] == [17] * 7 + [5]
+    assert np.array_equal(joined(chunks), result.frames)
+    decoded = happened.index(("decoding", 9, 9))  # the sound, then 8 video chunks
+    assert happened.index(("decoding", 1, 9)) < happened.index(("frames", 0)) < decoded
+    timings = result.meta["timings"]
+    assert 0 < timings["last_frame_s"] <= timings["total_s"] + 1 and "mp4_ready_s" not in timings  # no MP4 asked
+    assert 0 < timings["client_last_frame_s"] <= timings["client_result_s"]
+    stored = run(engine.client().attach(result.job))  # from the result store, all frames with the result
+    assert np.array_equal(stored.frames, result.frames) and np.array_equal(stored.audio, result.audio)
     assert result.meta["notes"] and "124 frames" in result.meta["notes"][0]
     assert not any(n.startswith("MP4 encoded") for n in result.meta["notes"])  # nobody asked for it: not encoded
     denoising = [e for e in events if e.stage == "denoising"]
@@ -103,7 +132,7 @@ def test_finished_result_mp4_over_websocket_and_http(engine):
 def test_mp4_asked_at_submit_is_encoded_during_the_decode(engine):
     result = run(engine.client().run("t2va", {"prompt": "rain on a tin roof", "steps": 2, **SMALL}, mp4=True))
     check_result(result)
-    assert "MP4 encoded with libx264" in result.meta["notes"] and "mp4_s" in result.meta["timings"]
+    assert result.meta["notes"][-1].startswith("MP4 encoded with libx264") and "mp4_s" in result.meta["timings"]
     frames, fps, audio, rate = read_video(result.mp4)
     assert frames.shape == result.frames.shape and fps == 24 and rate == SAMPLE_RATE
 
@@ -207,6 +236,54 @@ def test_client_reconnects_and_reattaches_when_the_connection_drops(engine):
                                           on_progress=on_progress))
 
     run(scenario())
+
+
+def test_a_connection_dropped_mid_stream_resumes_with_the_frames_it_lacks(engine, monkeypatch):
+    monkeypatch.setattr(nodes.client, "RECONNECT_DELAYS_S", (0.0, 0.5, 1.0))  # back while the VAE still decodes
+    chunks = []
+
+    async def scenario():
+        async with CuttableProxy(engine.port) as proxy:
+            client = EngineClient(f"ws://127.0.0.1:{proxy.port}", token=engine.token)
+
+            def on_frames(start, frames):
+                chunks.append((start, frames.copy()))
+                if len(chunks) == 1:
+                    proxy.cut()
+
+            # The tiny preset's largest canvas: its decode lasts long past the re-attach (milliseconds)
+            return await client.run("t2va", {"prompt": "a paper boat in the gutter", "steps": 2, "width": 224,
+                                             "height": 128}, on_frames=on_frames, mp4=True)
+
+    result = run(scenario())
+    # Cut after the first chunk, the client re-attached saying how many frames it held and got the rest streamed
+    # (the client takes only the next frames, in order): none twice, none missing.
+    assert len(chunks) == 8 and np.array_equal(joined(chunks), result.frames)
+    assert np.array_equal(run(engine.client().attach(result.job)).frames, result.frames)
+    assert result.mp4[4:8] == b"ftyp" and 0 < result.meta["timings"]["mp4_ready_s"]
+
+
+def test_attaching_to_a_finished_job_with_frames_in_hand_gets_only_the_rest(engine):
+    job = next(row["job"] for row in run(engine.client().status())["recent"] if row["state"] == "done")
+    clip = run(engine.client().attach(job))
+
+    async def attach(frames):
+        async with aiohttp.ClientSession() as session:
+            ws = await raw_ws(session, engine)
+            assert (await next_control(ws))["type"] == "welcome"
+            await ws.send_json({"type": "attach", "id": "a", "job": clip.job, "frames": frames})
+            reply = await next_control(ws)
+            tensors = [protocol.decode_tensor((await ws.receive()).data) for _ in reply.get("tensors", [])]
+            return reply, dict(tensors)
+
+    reply, tensors = run(attach(100))
+    assert reply["type"] == "result" and reply["start"] == 100 and reply["tensors"] == ["frames", "audio"]
+    assert np.array_equal(tensors["frames"], clip.frames[100:]) and reply["meta"]["frames"] == FRAMES
+    reply, _ = run(attach(FRAMES))
+    assert reply["start"] == FRAMES and reply["tensors"] == ["audio"]  # every frame in hand: none sent again
+    for bad in (FRAMES + 1, -1, "12", True):
+        reply, _ = run(attach(bad))
+        assert reply["type"] == "error" and reply["code"] == "invalid_request", reply
 
 
 def test_wrong_or_missing_token_is_refused_and_health_is_open(engine, tmp_path):

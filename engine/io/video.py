@@ -8,7 +8,7 @@ import io
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Callable
 
@@ -16,14 +16,45 @@ import av
 import numpy as np
 import torch
 from av.codec.codec import UnknownCodecError
-from av.video.reformatter import ColorRange, Colorspace
+from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
 FPS = 24
 SAMPLE_RATE = 32000
-# At CRF 18 a faster preset changes the file size more than the picture; "medium" took 6.9 s for a 5 s 1344x768
-# clip on the 16-core GPU host, longer than the VAE decode it is meant to hide behind.
-X264_PRESET = "veryfast"
+# One core's libx264 time for a 1344x768 frame (measured on a CPU build host): "veryfast" 19-22 ms for film-like
+# content (25 kB a frame at CRF 18), 94-102 ms for noise (430 kB: what random weights decode to); "ultrafast" 10-14
+# and 19-22 ms for 5x and 1.2x the bytes. A GPU decodes ~40 such frames a second (an H200 with the fast VAE), which
+# veryfast keeps up with while each encoder thread has at most this many pixels of a frame (1344x768 from 7 threads
+# on, 70 frames/s of noise); past it, ultrafast.
+VERYFAST_PIXELS_PER_THREAD = 160_000
 _BT709 = 1  # ITU-T H.273 code for primaries / transfer / matrix
+
+
+@dataclass(frozen=True)
+class H264Options:
+    codec: str  # "h264_nvenc" | "libx264"
+    preset: str  # libx264's (NVENC runs its own default)
+    threads: int  # libx264's frame threads and the RGB -> YUV conversion's
+
+    def describe(self) -> str:
+        """e.g. "libx264 (veryfast, 15 threads)"."""
+        if self.codec != "libx264":
+            return self.codec
+        return f"{self.codec} ({self.preset}, {self.threads} thread{'s' * (self.threads > 1)})"
+
+
+def h264_options(width: int, height: int, cores: int, nvenc: bool) -> H264Options:
+    """How a `width` x `height` clip is encoded on a machine of `cores` cores: NVENC where it may open (`nvenc`: a
+    GPU and an FFmpeg that has h264_nvenc; these libx264 settings stay the fallback), else libx264 on every core but
+    the producer's (the VAE decode's Python thread), at "veryfast" while each thread has at most
+    VERYFAST_PIXELS_PER_THREAD pixels of a frame, else at "ultrafast"."""
+    threads = max(1, cores - 1)
+    preset = "veryfast" if width * height <= VERYFAST_PIXELS_PER_THREAD * threads else "ultrafast"
+    return H264Options("h264_nvenc" if nvenc else "libx264", preset, threads)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's cpuset, taskset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _frames_numpy(frames) -> np.ndarray:
@@ -58,14 +89,14 @@ class Mp4Encoder:
 
     `target` is a path or a writable, seekable binary file object; the audio (float [C, S]) comes up front. `codec`:
     "libx264"; "h264_nvenc", which falls back to libx264 when FFmpeg lacks it or it does not open (no NVENC on the
-    GPU, no GPU); "auto", NVENC first when CUDA is available. `codec` then names the encoder that runs, once the
-    first chunk is in. `close()` finishes the file and returns its size in bytes; `add` and `close` raise what
-    failed on the encoder thread. As a context manager it closes on exit, dropping queued frames if the block
-    raised.
+    GPU, no GPU); "auto", NVENC first when CUDA is available. Threads and preset come from `h264_options` for the
+    first chunk's size (`preset` overrides). `options` then says what runs, once the first chunk is in. `close()`
+    finishes the file and returns its size in bytes; `add` and `close` raise what failed on the encoder thread. As a
+    context manager it closes on exit, dropping queued frames if the block raised.
     """
 
     def __init__(self, target, fps=FPS, audio=None, sample_rate: int = SAMPLE_RATE, *, crf: int = 18,
-                 preset: str = X264_PRESET, codec: str = "libx264"):
+                 preset: str | None = None, codec: str = "libx264"):
         if codec not in ("auto", "libx264", "h264_nvenc"):
             raise ValueError(f"codec must be auto, libx264 or h264_nvenc, got {codec!r}")
         if codec == "auto":
@@ -73,7 +104,7 @@ class Mp4Encoder:
         self.target, self.sample_rate, self.crf, self.preset = target, sample_rate, crf, preset
         self.audio = None if audio is None else _stereo_numpy(audio)
         self.rate = Fraction(fps).limit_denominator(1001)
-        self.codec: str | None = None
+        self.options: H264Options | None = None
         self._preferred = codec
         self._start = None if isinstance(target, (str, os.PathLike)) else target.tell()
         self._queue: queue.SimpleQueue[np.ndarray | None] = queue.SimpleQueue()
@@ -136,6 +167,9 @@ class Mp4Encoder:
                 # FFmpeg's default 128 kb/s: its native AAC encoder distorted onsets in tests at 192 kb/s.
                 sound = container.add_stream("aac", rate=self.sample_rate, layout="stereo")
 
+            # One converter for the stream: a frame's own `reformat` makes a scaler (and its threads) per frame, which
+            # cost 10 ms a 1344x768 frame with 16 threads against 4 ms reused.
+            to_yuv = VideoReformatter()
             # Audio is fed per video frame so the muxer gets both streams in time order; audio longer than the
             # video goes out after the last frame.
             count = 0
@@ -144,9 +178,10 @@ class Mp4Encoder:
                     raise ValueError(f"frame size changed from {width}x{height} to {frames.shape[2]}x"
                                      f"{frames.shape[1]} after {count} frames; an MP4 keeps one size")
                 for image in frames:
-                    frame = av.VideoFrame.from_ndarray(image, format="rgb24").reformat(
-                        format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG,
-                        dst_color_trc=_BT709, dst_color_primaries=_BT709)
+                    frame = to_yuv.reformat(
+                        av.VideoFrame.from_ndarray(image, format="rgb24"), format="yuv420p",
+                        dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG, dst_color_trc=_BT709,
+                        dst_color_primaries=_BT709, threads=self.options.threads)
                     frame.pts = count
                     container.mux(video.encode(frame))
                     self._mux_sound(container, sound, self._sample_at(count, total), self._sample_at(count + 1, total))
@@ -162,22 +197,28 @@ class Mp4Encoder:
         return self.target.tell() - self._start
 
     def _add_video(self, container, width: int, height: int):
-        codec = self._preferred
-        if codec != "libx264" and not _opens(codec, width, height, self.rate, tuple(self._options(codec).items())):
-            codec = "libx264"
-        self.codec = codec
-        video = container.add_stream(codec, rate=self.rate)
+        nvenc = self._preferred == "h264_nvenc" and "h264_nvenc" in av.codecs_available
+        options = h264_options(width, height, usable_cores(), nvenc)
+        options = replace(options, preset=self.preset or options.preset)
+        if nvenc and not _opens("h264_nvenc", width, height, self.rate, tuple(self._settings(options).items())):
+            options = replace(options, codec="libx264")
+        self.options = options
+        video = container.add_stream(options.codec, rate=self.rate)
         video.width, video.height, video.pix_fmt = width, height, "yuv420p"
-        video.options = self._options(codec)
+        video.options = self._settings(options)
         ctx = video.codec_context
+        if options.codec == "libx264":
+            # PyAV opens every codec for slice threads, which makes x264 run sliced threads (lower throughput, its
+            # lookahead on the calling thread); frame threads keep every core busy.
+            ctx.thread_type, ctx.thread_count = "FRAME", options.threads
         ctx.color_primaries = ctx.color_trc = ctx.colorspace = _BT709
         ctx.color_range = ColorRange.MPEG
         return video
 
-    def _options(self, codec: str) -> dict[str, str]:
-        if codec == "h264_nvenc":  # constant quality on libx264's CRF scale; NVENC has its own presets
+    def _settings(self, options: H264Options) -> dict[str, str]:
+        if options.codec == "h264_nvenc":  # constant quality on libx264's CRF scale; NVENC has its own presets
             return {"rc": "vbr", "cq": str(self.crf)}
-        return {"crf": str(self.crf), "preset": self.preset}
+        return {"crf": str(self.crf), "preset": options.preset}
 
     def _sample_at(self, frame: int, total: int) -> int:
         return min(round(frame * self.sample_rate / self.rate), total)
@@ -204,9 +245,10 @@ def _opens(codec: str, width: int, height: int, rate: Fraction, options: tuple[t
 
 
 def write_mp4(target, frames, fps=FPS, audio=None, sample_rate: int = SAMPLE_RATE, *, crf: int = 18,
-              preset: str = X264_PRESET) -> int:
+              preset: str | None = None) -> int:
     """Write uint8 frames [F, H, W, 3] (torch or numpy) and optional float audio [C, S] to an MP4 at `target`
-    (a path or a writable, seekable binary file object) with libx264. Returns the number of bytes written."""
+    (a path or a writable, seekable binary file object) with libx264 (preset per canvas unless given). Returns the
+    number of bytes written."""
     with Mp4Encoder(target, fps, audio, sample_rate, crf=crf, preset=preset) as encoder:
         encoder.add(frames)
         return encoder.close()

@@ -16,6 +16,16 @@ STAGES = ("loading", "reading source", "encoding", "denoising", "decoding", "ups
 
 
 @dataclass
+class DecodedFrames:
+    """Final frames [start, start + n) of a result of `total` frames, handed out as the decode makes them: rank 0
+    streams them to the job's clients while the rest decodes."""
+
+    start: int
+    total: int
+    pixels: torch.Tensor  # uint8 [n, H, W, 3] on the CPU; a view of the result's frames, never written again
+
+
+@dataclass
 class PhaseEvent:
     stage: str  # one of STAGES
     done: int  # chunks finished (0: the phase starts)
@@ -23,6 +33,7 @@ class PhaseEvent:
     detail: str | None = None  # e.g. "video", "batch 1/2: VAE decode"
     preview: torch.Tensor | None = None  # uint8 [H, W, 3], where the phase has pixels to show
     collective: bool = True  # False: only rank 0 passes here (its MP4 mux); it reports, no rank agrees or stops
+    frames: DecodedFrames | None = None  # a "decoding" chunk's final frames
 
 
 class Phase:
@@ -34,10 +45,10 @@ class Phase:
         self.done = 0
         self._emit(None)
 
-    def __call__(self, preview: torch.Tensor | None = None) -> None:
+    def __call__(self, preview: torch.Tensor | None = None, frames: DecodedFrames | None = None) -> None:
         self.done += 1
-        self._emit(preview)
+        self._emit(preview, frames)
 
-    def _emit(self, preview: torch.Tensor | None) -> None:
+    def _emit(self, preview: torch.Tensor | None, frames: DecodedFrames | None = None) -> None:
         if self.on_step is not None:
-            self.on_step(PhaseEvent(self.stage, self.done, self.total, self.detail, preview, self.collective))
+            self.on_step(PhaseEvent(self.stage, self.done, self.total, self.detail, preview, self.collective, frames))

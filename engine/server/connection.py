@@ -31,6 +31,15 @@ CLOSE_TIMEOUT_S = 1.0  # for the close handshake of a connection the engine ends
 
 
 @dataclass
+class Delivery:
+    """A finished job's result for this client: with the MP4 or not, its frames from `start` on."""
+
+    finished: FinishedJob
+    mp4: bool
+    start: int
+
+
+@dataclass
 class PendingSubmit:
     """A submit waiting for its tensor frames."""
 
@@ -75,9 +84,9 @@ class Connection:
     def send(self, msg: dict, tensors: list[tuple[str, np.ndarray]] = ()) -> None:
         self._queue((msg, list(tensors)))
 
-    def deliver(self, finished: FinishedJob, mp4: bool) -> None:
+    def deliver(self, finished: FinishedJob, mp4: bool, start: int = 0) -> None:
         if finished.state == "done":
-            self._queue((finished, mp4))
+            self._queue(Delivery(finished, mp4, start))
         else:
             self.send(error_message(finished.error_code, finished.error_message, job=finished.job))
 
@@ -196,14 +205,14 @@ class Connection:
     async def _write_loop(self) -> None:
         try:
             while True:
-                item, extra = await self.outbox.get()
+                item = await self.outbox.get()
                 self.sending = True
-                if isinstance(item, FinishedJob):
-                    msg, tensors = await result_message(item, extra)
-                    if extra:
-                        self.service.store.kept_mp4(item)
+                if isinstance(item, Delivery):
+                    msg, tensors = await result_message(item)
+                    if item.mp4:
+                        self.service.store.kept_mp4(item.finished)
                 else:
-                    msg, tensors = item, extra
+                    msg, tensors = item
                 await self.ws.send_str(protocol.encode_control(msg))
                 for name, array in tensors:
                     if array.nbytes > ENCODE_OFF_LOOP_BYTES:
@@ -311,12 +320,16 @@ class Connection:
             raise ProtocolError("unknown_job", f"No job {job_id} on this engine.")
 
     def _on_attach(self, msg: dict) -> None:
+        """Follows a job again: what it streamed past the client's `frames` first, then as it goes on."""
         job_id, scheduler = protocol.job_id(msg.get("job")), self.service.scheduler
-        mp4 = protocol.flag_field(msg, "mp4")
+        mp4, held = protocol.flag_field(msg, "mp4"), protocol.count_field(msg, "frames")
         job = scheduler.active(job_id)
         if job is not None:
+            _check_held(job_id, held, job.streamed)
             job.subscribers[self] = mp4
             self.send({"type": "accepted", "id": msg.get("id"), "job": job.id, "position": scheduler.position(job)})
+            for chunk in job.chunks_after(held):
+                self.send(*chunk)
             if job.last_progress is not None:
                 progress, preview = job.last_progress
                 self.send(progress, [("preview", np.frombuffer(preview, np.uint8))] if preview else [])
@@ -326,20 +339,31 @@ class Connection:
             raise ProtocolError("unknown_job", (
                 f"No job {job_id!r} on this engine: it never ran here, or its result expired (results are kept "
                 f"{self.service.store.ttl_s / 60:g} minutes)."))
-        self.deliver(finished, mp4)
+        if finished.state == "done":
+            _check_held(job_id, held, len(finished.frames))
+        self.deliver(finished, mp4, held)
+
+
+def _check_held(job_id: str, held: int, available: int) -> None:
+    if held > available:
+        raise ProtocolError("invalid_request", f"The attach says the client holds {held} frames of job {job_id}, "
+                                               f"but the engine has made {available}.")
 
 
 def error_message(code: str, message: str, **fields) -> dict:
     return {"type": "error", **{k: v for k, v in fields.items() if v is not None}, "code": code, "message": message}
 
 
-async def result_message(finished: FinishedJob, mp4: bool) -> tuple[dict, list[tuple[str, np.ndarray]]]:
+async def result_message(delivery: Delivery) -> tuple[dict, list[tuple[str, np.ndarray]]]:
+    finished, start = delivery.finished, delivery.start
     meta = finished.meta()
-    tensors = [("frames", finished.frames)] + ([("audio", finished.audio)] if finished.audio is not None else [])
-    if mp4:
+    tensors = [("frames", finished.frames[start:])] if start < len(finished.frames) else []
+    tensors += [("audio", finished.audio)] if finished.audio is not None else []
+    if delivery.mp4:
         try:
             tensors.append(("mp4", np.frombuffer(await finished.mp4(), dtype=np.uint8)))
         except Exception as exc:  # the frames and audio still arrive
             log_event("result.mp4_failed", logging.ERROR, exc_info=exc, job=finished.job)
             meta["notes"] = [*meta["notes"], f"No MP4 with this result: encoding failed ({exc})."]
-    return {"type": "result", "job": finished.job, "meta": meta, "tensors": [n for n, _ in tensors]}, tensors
+    return {"type": "result", "job": finished.job, "start": start, "meta": meta,
+            "tensors": [n for n, _ in tensors]}, tensors

@@ -47,7 +47,7 @@ class Subscriber(Protocol):
 
     def send(self, msg: dict, tensors: list[tuple[str, np.ndarray]] = ()) -> None: ...
 
-    def deliver(self, finished: FinishedJob, mp4: bool) -> None: ...
+    def deliver(self, finished: FinishedJob, mp4: bool, start: int = 0) -> None: ...
 
 
 @dataclass(eq=False)
@@ -60,16 +60,40 @@ class Job:
     overtaken: int = 0  # later jobs run before this one (next_job)
     subscribers: dict[Subscriber, bool] = field(default_factory=dict)  # -> wants the MP4 with the result
     last_progress: tuple[dict, bytes | None] | None = None  # replayed to a client that attaches
+    # The result's frames streamed so far, (start, uint8 [n, H, W, 3]) views of the pipeline's result (not copies),
+    # replayed to a client that attaches mid-stream
+    chunks: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    total_frames: int = 0
+    last_frame_at: float | None = None  # when the last frame went out to the subscribers
 
     @property
     def id(self) -> str:
         return self.spec.job
+
+    @property
+    def streamed(self) -> int:
+        """Frames sent so far; every subscriber has them (or is sent them), so the result starts there."""
+        start, pixels = self.chunks[-1] if self.chunks else (0, ())
+        return start + len(pixels)
 
     def publish(self, msg: dict, preview: bytes | None = None) -> None:
         self.last_progress = (msg, preview)
         tensors = [("preview", np.frombuffer(preview, dtype=np.uint8))] if preview else []
         for subscriber in list(self.subscribers):
             subscriber.send(msg, tensors)
+
+    def publish_frames(self, start: int, total: int, pixels: np.ndarray) -> None:
+        self.chunks.append((start, pixels))
+        self.total_frames = total
+        if self.streamed == total:
+            self.last_frame_at = time.time()
+        for subscriber in list(self.subscribers):
+            subscriber.send(*chunk_message(self.id, start, total, pixels))
+
+    def chunks_after(self, held: int) -> list[tuple[dict, list[tuple[str, np.ndarray]]]]:
+        """The result_chunk messages of the streamed frames past the first `held` (for a client that attaches)."""
+        return [chunk_message(self.id, max(start, held), self.total_frames, pixels[max(0, held - start):])
+                for start, pixels in self.chunks if start + len(pixels) > held]
 
     def status(self, position: int) -> dict:
         row = {"job": self.id, "task": self.spec.task, "state": self.state, "position": position,
@@ -90,6 +114,11 @@ def progress_message(job: str, stage: str, step: int = 0, total: int = 0, eta_s:
             "has_preview": has_preview, **extra}
 
 
+def chunk_message(job: str, start: int, total: int, pixels: np.ndarray) -> tuple[dict, list[tuple[str, np.ndarray]]]:
+    return ({"type": "result_chunk", "job": job, "start": start, "stop": start + len(pixels), "total": total,
+             "tensors": ["frames"]}, [("frames", pixels)])
+
+
 def latent_rgb(runner) -> tuple:
     """The previews' latent -> RGB projection of the runner's video VAE (the released one's when it has none)."""
     vae = getattr(getattr(runner, "pipeline", None), "video_vae", None)
@@ -98,7 +127,8 @@ def latent_rgb(runner) -> tuple:
 
 class ProgressReporter:
     """The pipeline's boundary callback on rank 0 (runs on the pipeline thread): every event becomes a progress
-    message (stage, done/total, ETA, detail), with a preview at most every PREVIEW_INTERVAL_S where one exists.
+    message (stage, done/total, ETA, detail), with a preview at most every PREVIEW_INTERVAL_S where one exists; a
+    decoded chunk's final frames (PhaseEvent.frames) go to the job's clients first, as a result_chunk.
 
     Denoise steps (StepEvent) report "denoising", an extension's window ("window 2/4") as `detail`, a preview of
     the clean estimate; their ETA is the steps left (all windows) at the rate so far plus the decode, estimated
@@ -121,6 +151,10 @@ class ProgressReporter:
         self.phases: dict[str, tuple[float, int]] = {}  # stage -> (when, done) at the start of its latest phase
 
     def __call__(self, event) -> None:
+        decoded = getattr(event, "frames", None)
+        if decoded is not None:
+            self.loop.call_soon_threadsafe(self.job.publish_frames, decoded.start, decoded.total,
+                                           decoded.pixels.numpy())
         now = time.perf_counter()
         msg = self._step(event, now) if isinstance(event, StepEvent) else self._phase(event, now)
         preview = None
@@ -166,6 +200,15 @@ class ProgressReporter:
                       phase_s=round(now - began, 3))
         extra = {"detail": event.detail} if event.detail else {}
         return progress_message(self.job.id, event.stage, event.done, event.total, eta, **extra)
+
+
+def delivery_timings(job: Job, result: GenerateResult, now: float) -> dict[str, float]:
+    """Seconds from the job's start to its last frame going out to the clients (streamed, or with the result) and,
+    when the job encoded one, to its finished MP4."""
+    timings = {"last_frame_s": round((job.last_frame_at or now) - job.started_at, 3)}
+    if result.mp4 is not None:
+        timings["mp4_ready_s"] = round(now - job.started_at, 3)
+    return timings
 
 
 def steps_left(event) -> int:
@@ -403,6 +446,7 @@ class Scheduler:
         now = time.time()
         common = dict(job=job.id, task=job.spec.task, params=job.spec.params, submitted_at=job.submitted_at,
                       started_at=job.started_at, finished_at=now)
+        delivered = delivery_timings(job, result, now) if error is None else {}
         if error is None:
             if "decode_s" in result.timings:
                 self.decode_s_per_voxel = result.timings["decode_s"] / latent_voxels(result.video_latents)
@@ -414,7 +458,7 @@ class Scheduler:
             finished = FinishedJob(**common, state="done", frames=result.frames.numpy(), audio=audio,
                                    sample_rate=int(result.sample_rate), fps=float(result.fps),
                                    video_latents=result.video_latents, audio_latents=result.audio_latents,
-                                   notes=list(result.notes), timings=dict(result.timings), _mp4=mp4)
+                                   notes=list(result.notes), timings={**result.timings, **delivered}, _mp4=mp4)
         else:
             if isinstance(error, Cancelled) and self.state == "stopping":  # close() stopped it, not the artist
                 error = ProtocolError("unavailable", "The engine shut down during this job; run it again once the "
@@ -431,9 +475,9 @@ class Scheduler:
         self.counters[finished.state] += 1
         log_event(f"job.{finished.state}", logging.INFO if error is None else logging.WARNING, job=job.id,
                   task=job.spec.task, duration_s=now - (job.started_at or now), code=finished.error_code,
-                  message=finished.error_message)
+                  message=finished.error_message, **delivered)
         for subscriber, mp4 in job.subscribers.items():
-            subscriber.deliver(finished, mp4)
+            subscriber.deliver(finished, mp4, job.streamed)
 
     def _announce_positions(self) -> None:
         for job in self.queue:

@@ -64,7 +64,8 @@ class FinishedJob:
                "duration_s": round(self.finished_at - (self.started_at or self.finished_at), 3)}
         if self.state == "done":
             row.update(frames=int(self.frames.shape[0]), width=int(self.frames.shape[2]),
-                       height=int(self.frames.shape[1]), fps=self.fps, notes=self.notes)
+                       height=int(self.frames.shape[1]), fps=self.fps, notes=self.notes,
+                       **{k: self.timings[k] for k in ("last_frame_s", "mp4_ready_s") if k in self.timings})
         else:
             row.update(code=self.error_code, message=self.error_message)
         return row

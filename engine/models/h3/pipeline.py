@@ -39,7 +39,7 @@ from engine.models.h3.references import REFERENCE_SHORT_EDGE, check_image
 from engine.models.h3.request import (Cancelled, EditRequest, ExtendRequest, GenerateRequest, GenerateResult,
                                       RefineRequest, StepEvent)
 from engine.models.h3.vae import AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae
-from engine.models.phases import Phase, PhaseEvent
+from engine.models.phases import DecodedFrames, Phase, PhaseEvent
 from engine.parallel import tensor
 from engine.parallel.mesh import Mesh, Parallel
 from engine.runtime.streaming import BlockStreamer, dit_units, move_unstreamed
@@ -348,7 +348,7 @@ class H3Pipeline:
             self.stream_text_encoder(text_resident)
         for model, streamer in ((self.dit, self.streamer), (self.conditioner.model, self.text_streamer)):
             move_unstreamed(model, [u.module for u in streamer.units] if streamer else [], self.device)
-        self.video_vae.to(self.device)
+        self.video_vae.place(self.device)
         self.audio_vae.to(self.device)
 
     def resolve_lora(self, path: str) -> Path:
@@ -467,17 +467,17 @@ class H3Pipeline:
         `keep` = (source frames uint8 [frames, H, W, 3], bool [frames, H, W]): where true the source's pixels
         replace the decoded ones (an edit's unmasked area), in the frames and the MP4 alike.
 
-        With `encode_mp4` the sound decodes first (it is small) so the MP4 encoder has it from the start; then each
-        video VAE chunk goes to the encoder as it comes, and encoding overlaps decoding. `timings` gains mp4_s (the
-        wait for the encoder after the last chunk), `notes` the H.264 encoder used. A "decoding" boundary after the
-        sound and after every video chunk.
+        The sound decodes first (it is small) so the MP4 encoder has it from the start; then each video VAE chunk's
+        final frames go into the result, out with the chunk's "decoding" boundary (`PhaseEvent.frames`, which rank 0
+        streams to clients) and, with `encode_mp4`, to the encoder, so sending and encoding overlap decoding.
+        `timings` gains mp4_s (the wait for the encoder after the last chunk), `notes` the H.264 encoder used.
         """
         rate = self.audio_vae.sample_rate
         done = Phase(on_step, "decoding", 1 + VideoVAE.decode_chunk_count(video_latents.shape[2], frames), "sound")
         waveform = self.audio_vae.decode(audio_latents)[:, : round(frames / L.FPS * rate)].float().cpu()
         done.detail = "video"
         done()
-        buffer, chunks, left = io.BytesIO(), [], frames
+        buffer, pixels, start = io.BytesIO(), None, 0
         codec = "auto" if self.device.type == "cuda" else "libx264"
         encoder = None
         if self.encode_mp4:
@@ -486,27 +486,30 @@ class H3Pipeline:
             encoder = Mp4Encoder(buffer, L.FPS, waveform, rate, codec=codec)
         with encoder or contextlib.nullcontext():
             for chunk in self.video_vae.decode_chunks(video_latents):
-                chunk = chunk[:left]
+                if pixels is None:  # written once, chunk by chunk: the streamed chunks are views of the result
+                    pixels = torch.empty((frames, *chunk.shape[1:]), dtype=torch.uint8)
+                stop = min(frames, start + chunk.shape[0])
+                out = pixels[start:stop]
                 if keep is not None:
-                    start = frames - left
-                    source, kept = (k[start:start + chunk.shape[0]] for k in keep)
-                    chunk = torch.where(kept[..., None], source, chunk)
+                    source, kept = (k[start:stop] for k in keep)
+                    torch.where(kept[..., None], source, chunk[:stop - start], out=out)
+                else:
+                    out.copy_(chunk[:stop - start])
                 if encoder is not None:
-                    encoder.add(chunk)
-                chunks.append(chunk)
-                left -= chunk.shape[0]
-                done()
-                if not left:
+                    encoder.add(out)
+                done(frames=DecodedFrames(start, frames, out))
+                start = stop
+                if start == frames:
                     break
             if encoder is None:
-                return torch.cat(chunks), waveform, None
+                return pixels, waveform, None
             t_mp4 = time.perf_counter()
             muxed = Phase(on_step, "muxing", 1, "MP4", collective=False)  # rank 0 alone encodes
             encoder.close()
             muxed()
         timings["mp4_s"] = time.perf_counter() - t_mp4
-        notes.append(f"MP4 encoded with {encoder.codec}")
-        return torch.cat(chunks), waveform, buffer.getvalue()
+        notes.append(f"MP4 encoded with {encoder.options.describe()}")
+        return pixels, waveform, buffer.getvalue()
 
     def _generate(self, req, frames, height, width, steps, notes, keyframes, images, on_step) -> GenerateResult:
         timings, t0 = {}, time.perf_counter()
