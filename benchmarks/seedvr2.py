@@ -1,31 +1,45 @@
-"""SeedVR2 3B on one GPU (full-size random weights, bf16) and what window-aligned SP needs per rank for 15 s of 1080p.
+"""SeedVR2 3B on one GPU (full-size random weights, bf16): the VAE's reference and fast paths, the DiT, end-to-end
+upscales, a 15 s clip, and what window-aligned SP needs per rank for 15 s of 1080p. The reference is measured in the
+same run as what replaces it.
 
-  1. DiT through the pipeline's `predict` at 1088x1920 for 21 frames (6 latent frames, 48 960 tokens, 2-frame
-     windows) and 121 frames (31 latent frames, 252 960 tokens, full 8x15x27 windows): seconds per output frame,
-     TFLOP/s, activation peak and bytes per token (slope between the two runs).
-  2. VAE encode and decode of 21 frames at 1088x1920, tiled (the pipeline's default) and untiled: seconds per frame
-     and activation peak (temporal chunks: the peak does not grow with the clip, also over ranks: vae_parallel).
-  3. End to end `upscale` of 21 frames 544x960 -> 1088x1920: seconds per frame and peak; then 9 and 21 frames with
-     the DiT stubbed: the memory that grows with the clip outside the DiT (whole-clip pixel tensors, which every
-     rank holds).
-  4. 15 s at 1080p (361 frames, 742 560 tokens) on --ranks ranks: the planner's tokens per rank and all-to-all
-     traffic, and the predicted memory per rank (measured bytes per token x the busiest rank's tokens + the
-     whole-clip tensors every rank holds), plus a compute-only time estimate.
+  1. conv: the VAE's big 3x3x3 convolutions at 1088x1920 (128 channels at full resolution, 256 at full and half, 512
+     at a quarter), contiguous (the reference) vs channels-last (the fast path): ms per call, TFLOP/s.
+  2. VAE encode + decode of 21 frames at 1088x1920, reference and fast path, tiled (the pipeline's default) and
+     untiled: seconds per frame, TFLOP/s of the untiled work (FLOPs counted on the meta device), activation peak.
+  3. DiT through the pipeline's `predict` at 21 frames (6 latent frames, 48 960 tokens, 2-frame windows) and 121
+     frames (31 latent frames, 252 960 tokens, full 8x15x27 windows): seconds per output frame, TFLOP/s, activation
+     peak and bytes per token (slope between the two runs).
+  4. `upscale` end to end of 21 frames 544x960 -> 1088x1920: the reference VAE tiled (the previous default), the fast
+     VAE tiled and untiled: seconds per frame and peak; then 9 and 21 frames with the DiT stubbed: what grows with the
+     clip outside the DiT (the latents; pixels stay uint8 in host memory).
+  5. A 15 s clip, 360 frames 540x960 -> 1080x1920, on one GPU: one DiT batch, fast VAE untiled: seconds, seconds per
+     frame, peak allocated and reserved (with the weights).
+  6. 15 s at 1080p (361 frames, 742 560 tokens) on --ranks ranks: the planner's tokens per rank and all-to-all
+     traffic, the predicted memory per rank (measured bytes per token x the busiest rank's tokens + what grows with
+     the clip), and a compute-only time estimate.
 
     python benchmarks/seedvr2.py [--ranks 8] [--out benchmarks/results/seedvr2.json]
-    python benchmarks/seedvr2.py --tiny     # the same code path on CPU with tiny configs (a smoke check)
+    python benchmarks/seedvr2.py --tiny     # the same code on the CPU, tiny configs and sizes (a logic check; the
+                                            # peaks count float tensors op by op, which also slows the timings)
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import gc
 import math
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import RESULTS, log, save, stage  # noqa: E402
@@ -33,13 +47,52 @@ from engine.kernels import attention as attn  # noqa: E402
 from engine.models.seedvr2.config import NADIT_3B, TINY_3B, TINY_VAE, VAE  # noqa: E402
 from engine.models.seedvr2.nadit import build_nadit  # noqa: E402
 from engine.models.seedvr2.pipeline import SeedVR2Pipeline  # noqa: E402
-from engine.models.seedvr2.vae import build_vae  # noqa: E402
+from engine.models.seedvr2.vae import VideoVAE, build_vae  # noqa: E402
 from engine.parallel import window_sp  # noqa: E402
 
 TEXT_LEN = 58  # rows of the released pos_emb.pt
 GiB = 2**30
+TARGETS = {"vae_s_per_frame": 0.2, "upscale_s_per_frame": 0.25, "clip_15s_s": 100.0}  # one H200
+
+
+class FloatMemory(TorchDispatchMode):
+    """Bytes of the floating-point tensors made inside the mode and still alive, `now` and at the `peak`: memory
+    accounting for the CPU, which keeps no allocator statistics. A storage counts from the op that allocated it until
+    the last tensor seen on it dies."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[int, int] = {}
+        self.refs = collections.Counter()
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in self.bytes:
+                if key in inputs or not t.untyped_storage().nbytes():  # a view of something made outside
+                    continue
+                self.bytes[key] = t.untyped_storage().nbytes()
+                self.now += self.bytes[key]
+                self.peak = max(self.peak, self.now)
+            self.refs[key] += 1
+            weakref.finalize(t, self._release, key)
+        return out
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.now -= self.bytes.pop(key)
+
+
 def measure(fn, device, iters=1):
-    """(seconds per call, activation peak in bytes above what was allocated before, result of the last call)."""
+    """(seconds per call, activation peak in bytes above what was allocated before, result of the last call). On the
+    CPU the peak comes from FloatMemory."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -47,19 +100,82 @@ def measure(fn, device, iters=1):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        result = fn()
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - t0) / iters
-    peak = torch.cuda.max_memory_allocated() - base if cuda else None
+    memory = contextlib.nullcontext() if cuda else FloatMemory()
+    with memory:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            result = fn()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - t0) / iters
+    peak = torch.cuda.max_memory_allocated() - base if cuda else memory.peak
     return seconds, peak, result
 
 
 def gib(n):
     return None if n is None else round(n / GiB, 2)
 
+
+def tflops(flops, seconds):
+    return round(flops / seconds / 1e12, 1)
+
+
+# ---- 1. convolutions --------------------------------------------------------------------------------------------
+
+def run_convs(config, device, dtype, height, width):
+    """The VAE's big causal convs as the VAE runs them (time already prefixed with its two carried frames)."""
+    rows = []
+    ch = config.block_out_channels
+    for channels, scale, frames in ((ch[0], 1, 4), (ch[1], 1, 1), (ch[1], 2, 4), (ch[2], 4, 4)):
+        h, w = height // scale, width // scale
+        x = torch.randn(1, channels, frames + 2, h, w, device=device, dtype=dtype)
+        weight = torch.randn(channels, channels, 3, 3, 3, device=device, dtype=dtype) / (27 * channels) ** 0.5
+        flops = 2 * 27 * channels * channels * frames * h * w
+        row = {"channels": channels, "size": f"{w}x{h}", "frames": frames}
+        for name, inp in (("reference", x), ("fast", x.contiguous(memory_format=torch.channels_last_3d))):
+            with torch.no_grad():
+                F.conv3d(inp, weight, None, 1, (0, 1, 1))  # warm-up (cuDNN's choice)
+                seconds, _, _ = measure(lambda: F.conv3d(inp, weight, None, 1, (0, 1, 1)), device, iters=3)
+            row[f"{name}_ms"], row[f"{name}_tflops"] = round(seconds * 1e3, 2), tflops(flops, seconds)
+        rows.append(row)
+        del x
+    return rows
+
+
+# ---- 2. VAE -------------------------------------------------------------------------------------------------------
+
+def vae_flops(config, frames, height, width):
+    """(encode, decode) FLOPs of one untiled pass, counted on the meta device."""
+    with torch.device("meta"):
+        vae = VideoVAE(config)
+    with torch.no_grad():
+        with FlopCounterMode(display=False) as counter:
+            moments = vae.encode(torch.empty(1, 3, frames, height, width, device="meta"))
+        encode = counter.get_total_flops()
+        with FlopCounterMode(display=False) as counter:
+            vae.decode(moments[:, :16])
+    return encode, counter.get_total_flops()
+
+
+def run_vae(pipe, frames, height, width, device, fast, tiling, flops):
+    vae = pipe.vae
+    vae.channels_last = fast
+    video = torch.rand(1, 3, frames, height, width, device=device) * 2 - 1
+    try:
+        with torch.no_grad():
+            vae.decode(vae.encode(video, tiling=tiling)[:, :16], tiling=tiling)  # warm-up: every chunk's shapes
+            enc_s, enc_peak, moments = measure(lambda: vae.encode(video, tiling=tiling), device)
+            dec_s, dec_peak, _ = measure(lambda: vae.decode(moments[:, :16], tiling=tiling), device)
+    finally:
+        vae.channels_last = None
+    return {"path": "fast" if fast else "reference", "tiling": tiling, "frames": frames,
+            "encode_s_per_frame": round(enc_s / frames, 4), "decode_s_per_frame": round(dec_s / frames, 4),
+            "s_per_frame": round((enc_s + dec_s) / frames, 4), "encode_tflops": tflops(flops[0], enc_s),
+            "decode_tflops": tflops(flops[1], dec_s), "tflops": tflops(sum(flops), enc_s + dec_s),
+            "encode_act_peak_GiB": gib(enc_peak), "decode_act_peak_GiB": gib(dec_peak)}
+
+
+# ---- 3. DiT -------------------------------------------------------------------------------------------------------
 
 def dit_flops(dit, grid) -> float:
     """Video-stream FLOPs of one forward: linear layers plus windowed attention (text rows joined to each window)."""
@@ -81,36 +197,38 @@ def run_dit(pipe, frames, height, width, device):
     tokens = math.prod(grid)
     return {"frames": frames, "grid": list(grid), "tokens": tokens, "window": list(dit.window_size(grid)),
             "s": round(seconds, 3), "s_per_frame": round(seconds / frames, 4),
-            "tflops": round(dit_flops(dit, grid) / seconds / 1e12, 1), "act_peak_GiB": gib(peak),
+            "tflops": tflops(dit_flops(dit, grid), seconds), "act_peak_GiB": gib(peak),
             "act_bytes_per_token": None if peak is None else round(peak / tokens)}
 
 
-def run_vae(pipe, frames, height, width, device, tiling):
-    vae = pipe.vae
-    video = torch.rand(1, 3, frames, height, width, device=device) * 2 - 1
-    with torch.no_grad():
-        vae.decode(vae.encode(video[:, :, :5], tiling=tiling)[:, :16], tiling=tiling)  # warm-up (cuDNN picks)
-        enc_s, enc_peak, moments = measure(lambda: vae.encode(video, tiling=tiling), device)
-        dec_s, dec_peak, _ = measure(lambda: vae.decode(moments[:, :16], tiling=tiling), device)
-    return {"tiling": tiling, "frames": frames, "encode_s_per_frame": round(enc_s / frames, 4),
-            "decode_s_per_frame": round(dec_s / frames, 4), "s_per_frame": round((enc_s + dec_s) / frames, 4),
-            "encode_act_peak_GiB": gib(enc_peak), "decode_act_peak_GiB": gib(dec_peak)}
+# ---- 4, 5. upscale ------------------------------------------------------------------------------------------------
 
-
-def run_upscale(pipe, frames, height, width, device, dit=True):
-    """`upscale` of a clip at half the size; without `dit` the DiT is replaced by zeros, so what grows with the
-    clip is only the pipeline's whole-clip tensors."""
+def run_upscale(pipe, frames, height, width, device, dit=True, fast=True, tiling=True, batch_frames=None):
+    """`upscale` of a clip at half the size (uint8 in host memory); without `dit` the DiT is replaced by zeros, so
+    what grows with the clip is only the pipeline's own whole-clip tensors."""
     clip = torch.randint(0, 256, (frames, height // 2, width // 2, 3), dtype=torch.uint8)
     if not dit:
         pipe.predict = lambda cond: torch.zeros_like(cond[..., :16])
+    pipe.vae.channels_last = fast
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     try:
         with torch.no_grad():
-            seconds, peak, _ = measure(lambda: pipe.upscale(clip, target_height=height, target_width=width), device)
+            seconds, peak, out = measure(lambda: pipe.upscale(clip, target_height=height, target_width=width,
+                                                              tiling=tiling, batch_frames=batch_frames), device)
     finally:
         vars(pipe).pop("predict", None)
-    return {"frames": frames, "dit": dit, "s": round(seconds, 2), "s_per_frame": round(seconds / frames, 3),
-            "peak_GiB": gib(peak)}
+        pipe.vae.channels_last = None
+    row = {"frames": frames, "size": f"{width // 2}x{height // 2} -> {out.shape[2]}x{out.shape[1]}", "dit": dit,
+           "vae": "fast" if fast else "reference", "tiling": tiling, "s": round(seconds, 2),
+           "s_per_frame": round(seconds / frames, 3), "peak_GiB": gib(peak)}
+    if device.type == "cuda":  # with the weights: what has to fit
+        row["peak_allocated_GiB"] = gib(torch.cuda.max_memory_allocated())
+        row["peak_reserved_GiB"] = gib(torch.cuda.max_memory_reserved())
+    return row
 
+
+# ---- 6. 15 s over ranks -------------------------------------------------------------------------------------------
 
 def plan_15s(dit, ranks, height, width, frames=361) -> dict:
     """Window-aligned SP plan of a 15 s clip: tokens per rank (both layouts) and all-to-all rows per switch."""
@@ -134,20 +252,20 @@ def plan_15s(dit, ranks, height, width, frames=361) -> dict:
                                             * dit.config.num_layers / 1e9, 2)}
 
 
-def predict_memory(plan, dit_runs, vae_runs, upscale_runs, weights) -> dict:
+def predict_memory(plan, dit_runs, vae_run, stubbed_runs, weights) -> dict:
     """Per-rank memory for the planned clip: weights + the DiT's local activations (bytes per token from the two
-    DiT runs x the busiest rank's tokens) + what every rank holds for the whole clip: the patchified input, the
-    gathered output (about 2 kB per token, from window_sp.predict) and the pipeline's pixel tensors (bytes per
-    frame from the two upscale runs); the VAE's chunk peak does not grow with the clip."""
+    DiT runs x the busiest rank's tokens) + what every rank holds for the whole clip: the patchified input and the
+    gathered output (about 2 kB per token, from window_sp.predict) and what grows with the clip in the pipeline (bytes
+    per frame from the two DiT-stubbed upscales); the VAE's chunk peak does not grow with the clip."""
     a, b = dit_runs
     per_token = (b["act_peak_GiB"] - a["act_peak_GiB"]) * GiB / (b["tokens"] - a["tokens"])
     replicated_per_token = 2 * 132 * 4 + 64 * (2 + 2 + 2 + 8)
     dit_local = per_token * plan["busiest_rank_tokens"]
     dit_replicated = replicated_per_token * plan["tokens"]
-    u0, u1 = (r for r in upscale_runs if not r["dit"])
-    clip_per_frame = (u1["peak_GiB"] - u0["peak_GiB"]) * GiB / (u1["frames"] - u0["frames"])
+    u0, u1 = stubbed_runs
+    clip_per_frame = max(u1["peak_GiB"] - u0["peak_GiB"], 0) * GiB / (u1["frames"] - u0["frames"])
     clip = clip_per_frame * plan["frames"]
-    vae_chunk = max(r[k] for r in vae_runs for k in ("encode_act_peak_GiB", "decode_act_peak_GiB")) * GiB
+    vae_chunk = max(vae_run["encode_act_peak_GiB"], vae_run["decode_act_peak_GiB"]) * GiB
     total = weights + max(dit_local + dit_replicated, vae_chunk) + clip
     return {"dit_bytes_per_token": round(per_token), "dit_local_GiB": gib(dit_local),
             "dit_replicated_GiB": gib(dit_replicated), "vae_chunk_peak_GiB": gib(vae_chunk),
@@ -156,60 +274,33 @@ def predict_memory(plan, dit_runs, vae_runs, upscale_runs, weights) -> dict:
             "single_gpu_dit_activations_GiB": gib(per_token * plan["tokens"])}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU: checks the code path only")
-    parser.add_argument("--out", default="benchmarks/results/seedvr2.json")
-    args = parser.parse_args()
-    out = Path(args.out if not args.tiny else "benchmarks/results/seedvr2_tiny.json")
-    device = torch.device("cpu" if args.tiny else "cuda")
-    height, width = (64, 96) if args.tiny else (1088, 1920)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    dtype = torch.float32 if args.tiny else torch.bfloat16
-    RESULTS.update(gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-                   attention_backend=attn.choose(device), size=f"{width}x{height}", dtype=str(dtype)[6:])
+# ---- table --------------------------------------------------------------------------------------------------------
 
-    dit = build_nadit(TINY_3B if args.tiny else NADIT_3B, seed=0, dtype=dtype, device=device)
-    vae = build_vae(TINY_VAE if args.tiny else VAE, seed=0, dtype=dtype, device=device)
-    weights = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    text = torch.randn(TEXT_LEN, dit.config.text_dim)
-    pipe = SeedVR2Pipeline(dit, vae, text, device, "3b (random weights)")
-    RESULTS["weights_GiB"] = gib(weights)
-    log(f"SeedVR2 3B, random weights, {RESULTS['dtype']}, {RESULTS['gpu']}, attention {RESULTS['attention_backend']}")
-
-    stage("dit", lambda: RESULTS.__setitem__("dit", [run_dit(pipe, f, height, width, device) for f in (21, 121)]),
-          out)
-    stage("vae", lambda: RESULTS.__setitem__("vae", [run_vae(pipe, 21, height, width, device, t)
-                                                     for t in (True, False)]), out)
-    stage("upscale", lambda: RESULTS.__setitem__("upscale", [run_upscale(pipe, f, height, width, device, dit)
-                                                             for f, dit in ((21, True), (9, False), (21, False))]),
-          out)
-    stage("plan", lambda: RESULTS.__setitem__("plan_15s", plan_15s(dit, args.ranks, height, width)), out)
-    if device.type == "cuda" and all(k in RESULTS for k in ("dit", "vae", "upscale", "plan_15s")):
-        plan = RESULTS["plan_15s"]
-        memory = predict_memory(plan, RESULTS["dit"], RESULTS["vae"], RESULTS["upscale"], weights)
-        long_run = RESULTS["dit"][1]
-        vae_tiled = RESULTS["vae"][0]
-        memory["compute_only_s"] = {
-            "dit": round(long_run["s"] / long_run["tokens"] * plan["busiest_rank_tokens"], 2),
-            "vae_tiled": round(vae_tiled["s_per_frame"] * plan["frames"] / plan["ranks"], 2)}
-        RESULTS["predicted_15s_1080p"] = memory
-        save(out)
-
-    log(f"\n{'':<28}{'frames':>8}{'tokens':>10}{'s/frame':>10}{'TFLOP/s':>9}{'peak GiB':>10}")
-    for r in RESULTS.get("dit", []):
-        log(f"{'DiT predict':<28}{r['frames']:>8}{r['tokens']:>10}{r['s_per_frame']:>10}{r['tflops']:>9}"
-            f"{str(r['act_peak_GiB']):>10}")
+def print_table():
+    log(f"\n{'':<34}{'frames':>7}{'s/frame':>9}{'TFLOP/s':>9}{'peak GiB':>10}  target")
+    for r in RESULTS.get("conv", []):
+        log(f"{'conv ' + str(r['channels']) + ' ch ' + r['size']:<34}{r['frames']:>7}{'':>9}"
+            f"{r['reference_tflops']:>9} reference, {r['fast_tflops']} fast ({r['reference_ms']} / {r['fast_ms']} ms)")
     for r in RESULTS.get("vae", []):
-        name = f"VAE enc+dec {'tiled' if r['tiling'] else 'untiled'}"
+        name = f"VAE enc+dec {r['path']}, {'tiled' if r['tiling'] else 'untiled'}"
         peak = max(r["encode_act_peak_GiB"] or 0, r["decode_act_peak_GiB"] or 0)
-        log(f"{name:<28}{r['frames']:>8}{'':>10}{r['s_per_frame']:>10}{'':>9}{peak:>10}")
-        log(f"{'  encode / decode':<28}{'':>18}{r['encode_s_per_frame']:>10} / {r['decode_s_per_frame']}")
+        target = f"<= {TARGETS['vae_s_per_frame']}" if r["path"] == "fast" else ""
+        log(f"{name:<34}{r['frames']:>7}{r['s_per_frame']:>9}{r['tflops']:>9}{peak:>10}  {target}")
+        log(f"{'  encode / decode':<34}{'':>7}{r['encode_s_per_frame']:>9} / {r['decode_s_per_frame']} s/frame, "
+            f"{r['encode_tflops']} / {r['decode_tflops']} TFLOP/s")
+    for r in RESULTS.get("dit", []):
+        log(f"{'DiT predict, ' + str(r['tokens']) + ' tokens':<34}{r['frames']:>7}{r['s_per_frame']:>9}"
+            f"{r['tflops']:>9}{str(r['act_peak_GiB']):>10}")
     for r in RESULTS.get("upscale", []):
-        name = "upscale end to end" if r["dit"] else "upscale, DiT stubbed"
-        log(f"{name:<28}{r['frames']:>8}{'':>10}{r['s_per_frame']:>10}{'':>9}{str(r['peak_GiB']):>10}")
+        name = (f"upscale, {r['vae']} VAE, {'tiled' if r['tiling'] else 'untiled'}" if r["dit"]
+                else "upscale, DiT stubbed")
+        target = f"<= {TARGETS['upscale_s_per_frame']}" if r["dit"] and r["vae"] == "fast" else ""
+        log(f"{name:<34}{r['frames']:>7}{r['s_per_frame']:>9}{'':>9}{str(r['peak_GiB']):>10}  {target}")
+    if "clip_15s" in RESULTS:
+        r = RESULTS["clip_15s"]
+        log(f"{'15 s clip ' + r['size']:<34}{r['frames']:>7}{r['s_per_frame']:>9}{'':>9}{str(r['peak_GiB']):>10}  "
+            f"{r['s']} s (<= {TARGETS['clip_15s_s']}); with weights {r.get('peak_allocated_GiB')} GiB allocated, "
+            f"{r.get('peak_reserved_GiB')} reserved")
     if "plan_15s" in RESULTS:
         p = RESULTS["plan_15s"]
         log(f"\n15 s 1080p on {p['ranks']} ranks: {p['tokens']} tokens, windows {p['windows']}, busiest rank "
@@ -222,6 +313,63 @@ def main() -> int:
             f" local + {m['dit_replicated_GiB']} replicated, VAE chunk {m['vae_chunk_peak_GiB']}) + whole-clip "
             f"tensors {m['clip_tensors_GiB']}; one GPU would need {m['single_gpu_dit_activations_GiB']} GiB of DiT "
             f"activations; compute-only {m['compute_only_s']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU: checks the code path only")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    out = Path(args.out or ("benchmarks/results/seedvr2_tiny.json" if args.tiny else "benchmarks/results/seedvr2.json"))
+    device = torch.device("cpu" if args.tiny else "cuda")
+    height, width = (32, 48) if args.tiny else (1088, 1920)
+    long_clip = (41, 16, 32) if args.tiny else (360, 1080, 1920)  # frames, output size
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    RESULTS.update(gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                   attention_backend=attn.choose(device), size=f"{width}x{height}", dtype=str(dtype)[6:],
+                   targets=TARGETS)
+
+    dit = build_nadit(TINY_3B if args.tiny else NADIT_3B, seed=0, dtype=dtype, device=device)
+    config = TINY_VAE if args.tiny else VAE
+    vae = build_vae(config, seed=0, dtype=dtype, device=device)
+    weights = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    text = torch.randn(TEXT_LEN, dit.config.text_dim)
+    pipe = SeedVR2Pipeline(dit, vae, text, device, "3b (random weights)")
+    RESULTS["weights_GiB"] = gib(weights)
+    log(f"SeedVR2 3B, random weights, {RESULTS['dtype']}, {RESULTS['gpu']}, attention {RESULTS['attention_backend']}")
+
+    stage("conv", lambda: RESULTS.__setitem__("conv", run_convs(config, device, dtype, height, width)), out)
+    flops = vae_flops(config, 21, height, width)
+    RESULTS["vae_TFLOP_per_frame"] = {"encode": round(flops[0] / 21e12, 3), "decode": round(flops[1] / 21e12, 3)}
+    stage("vae", lambda: RESULTS.__setitem__("vae", [
+        run_vae(pipe, 21, height, width, device, fast, tiling, flops)
+        for fast, tiling in ((False, True), (False, False), (True, False), (True, True))]), out)
+    stage("dit", lambda: RESULTS.__setitem__("dit", [run_dit(pipe, f, height, width, device) for f in (21, 121)]),
+          out)
+    stage("upscale", lambda: RESULTS.__setitem__("upscale", [
+        run_upscale(pipe, 21, height, width, device, fast=False),
+        run_upscale(pipe, 21, height, width, device),
+        run_upscale(pipe, 21, height, width, device, tiling=False),
+        run_upscale(pipe, 9, height, width, device, dit=False, tiling=False),
+        run_upscale(pipe, 21, height, width, device, dit=False, tiling=False)]), out)
+    frames, h, w = long_clip
+    stage("clip_15s", lambda: RESULTS.__setitem__("clip_15s", run_upscale(pipe, frames, h, w, device, tiling=False)),
+          out)
+    stage("plan", lambda: RESULTS.__setitem__("plan_15s", plan_15s(dit, args.ranks, height, width)), out)
+    if all(k in RESULTS for k in ("dit", "vae", "upscale", "plan_15s")):
+        plan = RESULTS["plan_15s"]
+        fast_untiled = next(r for r in RESULTS["vae"] if r["path"] == "fast" and not r["tiling"])
+        memory = predict_memory(plan, RESULTS["dit"], fast_untiled, RESULTS["upscale"][3:], weights)
+        long_run = RESULTS["dit"][1]
+        memory["compute_only_s"] = {
+            "dit": round(long_run["s"] / long_run["tokens"] * plan["busiest_rank_tokens"], 2),
+            "vae_fast_untiled": round(fast_untiled["s_per_frame"] * plan["frames"] / plan["ranks"], 2)}
+        RESULTS["predicted_15s_1080p"] = memory
+        save(out)
+    print_table()
     log(f"wrote {out}")
     return 0
 

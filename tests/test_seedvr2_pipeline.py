@@ -1,10 +1,12 @@
-"""SeedVR2 pipeline on the tiny preset: output sizes, 4n+1 batching with overlap, frame count kept; colour fix."""
+"""SeedVR2 pipeline on the tiny preset: output sizes, 4n+1 batches of latents with overlap, frame count kept; colour
+fix."""
 
 import pytest
 import torch
 
 from engine.models.seedvr2.colorfix import color_fix, lab_fix, wavelet_decomposition, wavelet_fix
-from engine.models.seedvr2.pipeline import SeedVR2Pipeline, UpscaleError, output_size, plan_batches, snap_frames
+from engine.models.seedvr2.pipeline import (SeedVR2Pipeline, UpscaleError, batch_latents, output_size, plan_batches,
+                                            snap_frames)
 
 
 @pytest.fixture(scope="module")
@@ -30,25 +32,37 @@ def test_output_sizes():
             output_size(64, 96, **kwargs)
 
 
-def test_batches_are_4n_plus_1_and_overlap():
+def test_batches_of_latents_overlap():
     assert [snap_frames(n) for n in (1, 4, 5, 8, 9, 20, 21)] == [1, 1, 5, 5, 9, 17, 21]
-    assert plan_batches(9, None, 4) == [(0, 9)] and plan_batches(9, 21, 4) == [(0, 9)]
-    for frames, size, overlap in ((30, 8, 2), (121, 33, 4), (17, 5, 0), (10, 9, 8)):
-        batches = plan_batches(frames, size, overlap)
-        assert batches[0][0] == 0 and batches[-1][1] == frames
+    assert plan_batches(3, None, 1) == [(0, 3)] and plan_batches(3, 6, 1) == [(0, 3)]
+    for latents, size, overlap in ((30, 8, 2), (31, 9, 1), (17, 5, 0), (10, 9, 8)):
+        batches = plan_batches(latents, size, overlap)
+        assert batches[0][0] == 0 and batches[-1][1] == latents
         for (s0, e0), (s1, e1) in zip(batches, batches[1:]):
-            assert s0 < s1 and e0 - s1 >= min(overlap, snap_frames(size) - 1)
-        assert all(e - s == snap_frames(size) for s, e in batches)
+            assert s0 < s1 and e0 - s1 >= min(overlap, size - 1)
+        assert all(e - s == size for s, e in batches)
+    # The user's options: 121 frames = 31 latents; 33-frame batches = 9 latents; 4 frames shared = 1 latent, 5 = 2.
+    assert batch_latents(121, 33, 4) == [(0, 9), (8, 17), (16, 25), (22, 31)]
+    assert batch_latents(121, 33, 5)[:2] == [(0, 9), (7, 16)]
+    assert batch_latents(7, 6, 3) == [(0, 2), (1, 3)]  # 7 frames run as 9 (3 latents), batches of 5 frames
+    assert batch_latents(121, None, 4) == [(0, 31)] and batch_latents(121, 33, 0)[1] == (9, 18)
 
 
-def test_upscale_tiny_clip_keeps_frames(pipe):
+def test_upscale_tiny_clip_keeps_frames_and_streams_them(pipe):
     frames = clip()
     steps = []
-    out = pipe.upscale(frames, target_height=72, target_width=104, seed=3, on_step=steps.append)
+    pipe.vae.decode_chunk = 1  # 3 latents decode as 2 chunks: frames 0-4, then 5-8
+    try:
+        out = pipe.upscale(frames, target_height=72, target_width=104, seed=3, on_step=steps.append)
+    finally:
+        pipe.vae.decode_chunk = 2
     assert out.shape == (9, 72, 104, 3) and out.dtype == torch.uint8 and out.device.type == "cpu"
-    ends = [e for e in steps if e.preview is not None]
-    assert [e.detail for e in ends] == ["batch 1/1: done"] and ends[0].preview.shape == (72, 104, 3)
     assert [e.done for e in steps] == list(range(steps[-1].total + 1))
+    assert [e.detail for e in steps[1:]] == ["VAE encode", "batch 1/1: DiT", "VAE decode", "VAE decode"]
+    decoded = [e.frames for e in steps if e.frames is not None]  # each decode chunk's final frames, in order
+    assert [(d.start, len(d.pixels), d.total) for d in decoded] == [(0, 5, 9), (5, 4, 9)]
+    assert all(d.pixels.data_ptr() == out[d.start].data_ptr() for d in decoded)  # views of the result
+    assert [e.preview.data_ptr() for e in steps if e.preview is not None] == [out[4].data_ptr(), out[8].data_ptr()]
 
 
 def test_upscale_in_overlapping_batches(pipe):
@@ -56,7 +70,7 @@ def test_upscale_in_overlapping_batches(pipe):
     steps = []
     out = pipe.upscale(frames, scale=1.5, batch_frames=6, overlap_frames=3, color_fix="lab", on_step=steps.append)
     assert out.shape == (7, 48, 72, 3)
-    assert [e.detail for e in steps if e.preview is not None] == ["batch 1/2: done", "batch 2/2: done"]
+    assert [e.detail for e in steps if "DiT" in (e.detail or "") and e.done] == ["batch 1/2: DiT", "batch 2/2: DiT"]
 
 
 def test_area_resize_is_the_official_crop(pipe):

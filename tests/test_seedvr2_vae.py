@@ -95,12 +95,15 @@ def test_depth_to_space_channel_order():
 
 def test_tiles_blend_exactly_for_pointwise_maps():
     x = torch.randn(2, 3, 2, 40, 56)
+    seen = []
 
-    def fn(t):
+    def fn(t, index):
+        seen.append(index)
         return torch.repeat_interleave(torch.repeat_interleave(t * 2 + 1, 8, dim=-2), 8, dim=-1)
 
-    torch.testing.assert_close(tiled(fn, x, tile=16, overlap=6, scale=8), fn(x))
-    torch.testing.assert_close(tiled(lambda t: t[..., ::8, ::8], x, tile=24, overlap=8, scale=1 / 8),
+    torch.testing.assert_close(tiled(fn, x, tile=16, overlap=6, scale=8), fn(x, 0))
+    assert seen[:-1] == list(range(4 * 5))  # every tile once, numbered (rows 0 10 20 24, columns 0 10 20 30 40)
+    torch.testing.assert_close(tiled(lambda t, i: t[..., ::8, ::8], x, tile=24, overlap=8, scale=1 / 8),
                                x[..., ::8, ::8])
 
 

@@ -91,13 +91,16 @@ def test_refine_doubles_the_size(engine, clip):
 def test_upscale_a_stored_job(engine):
     client = engine.client()
     small = run(client.run("t2va", {"prompt": "city lights at night", "width": 32, "height": 32, "steps": STEPS}))
-    events = []
+    events, chunks = [], []
     result = run(client.run("upscale", {"source_job": small.job, "width": 48, "height": 48, "batch_frames": 65},
-                            on_progress=events.append))
+                            on_progress=events.append, on_frames=lambda start, f: chunks.append((start, f.copy()))))
     assert result.frames.shape == (FRAMES, 48, 48, 3) and result.fps == 24
+    # Every frame streamed once, in order, a VAE decode chunk at a time (9, then 8 each), before the result.
+    assert [start for start, _ in chunks] == [0] + list(range(9, FRAMES, 8))
+    assert np.array_equal(np.concatenate([f for _, f in chunks]), result.frames)
     assert np.array_equal(result.audio, small.audio)  # the sound comes through untouched
     upscaling = [e for e in events if e.stage == "upscaling"]
-    assert [e.detail for e in upscaling if e.detail.endswith("done")] == ["batch 1/2: done", "batch 2/2: done"]
+    assert [e.detail for e in upscaling if e.detail.endswith("DiT")] == ["batch 1/2: DiT", "batch 2/2: DiT"]
     assert upscaling[-1].step == upscaling[-1].total
     assert any(e.preview_jpeg for e in events if e.stage == "upscaling")
     status = run(client.status())

@@ -1,13 +1,24 @@
 """SeedVR2 one-step video restoration / upscaling (specs/seedvr2.md §4), end to end.
 
-uint8 frames -> temporal batches of 4n+1 frames (overlapping, crossfaded) -> resize to the output size
-(bicubic, antialiased) -> pad to multiples of 16 ("side", cropped back afterwards) or centre-crop to them
-("area", the official recipe) -> VAE encode (posterior sample) -> one DiT step at t = 1000 on
-[noise | LQ latent | 1] -> x0 = noise - v -> VAE decode -> colour fix against the resized input -> uint8.
+uint8 frames -> resize to the output size (bicubic, antialiased) -> pad to multiples of 16 ("side", cropped back
+afterwards) or centre-crop to them ("area", the official recipe) -> VAE encode of the clip (posterior sample) -> one
+DiT step at t = 1000 on [noise | LQ latent | 1] per temporal batch, x0 = noise - v -> the batches' latents joined, the
+shared ones crossfaded -> VAE decode of the clip -> colour fix against the resized input -> uint8.
 
-Progress: one phase, "upscaling", whose boundaries are every VAE chunk (and tile) of every batch, the DiT step and
-the end of each batch (with its middle frame as a preview). The tiny presets map the named resolutions to small
-sizes and bound the output area, so that every task stays quick on a CPU (config.TINY_RESOLUTIONS).
+Whole-clip tensors exist once: the source and the result as uint8 in host memory (the result on the group's rank 0
+alone), the latents on the device. Pixels exist one VAE chunk at a time: the encoder reads its chunks from the uint8
+source, and every decoded chunk is colour-fixed and converted to uint8 where it was decoded, then copied out.
+
+Temporal batches (ComfyUI's SeedVR2 chunk / merge): the clip's latents are split into batches of `batch_frames`
+(4n+1 frames: n+1 latents) that share the latents covering `overlap_frames` (4 frames each, rounded up). The DiT
+runs per batch; where two batches share latents, the earlier one's weight falls linearly across them. Latents
+outside the overlaps are each batch's own, and the clip is decoded in one causal pass, so no seam comes from the VAE
+either.
+
+Progress: one phase, "upscaling", whose boundaries are every VAE encode chunk, every batch's DiT step and every VAE
+decode chunk; a decode boundary carries the frames it finished (streamed to the job's clients while the rest decodes)
+and the last of them as a preview. The tiny presets map the named resolutions to small sizes and bound the output
+area, so that every task stays quick on a CPU (config.TINY_RESOLUTIONS).
 """
 
 from __future__ import annotations
@@ -18,13 +29,14 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine.io.convert import to_uint8_frames
 from engine.models.seedvr2.checkpoint import find_models, load_nadit, load_text_embedding, load_vae
 from engine.models.seedvr2.colorfix import MODES as COLOR_FIX_MODES
 from engine.models.seedvr2.colorfix import color_fix as apply_color_fix
-from engine.models.phases import Phase
+from engine.models.phases import DecodedFrames, Phase
 from engine.models.seedvr2.config import (
     DIT_PRESETS, LATENT_SCALE, TIMESTEP, TINY_3B, TINY_MAX_PIXELS, TINY_RESOLUTIONS, TINY_TEXT_LEN, TINY_VAE, VAE,
     NaDiTConfig, VAEConfig,
@@ -78,15 +90,31 @@ def snap_frames(n: int) -> int:
     return max(1, (n - 1) // 4 * 4 + 1)
 
 
-def plan_batches(num_frames: int, batch_frames: int | None, overlap: int) -> list[tuple[int, int]]:
-    """[start, stop) of every temporal batch: `batch_frames` snapped to 4k+1, consecutive batches overlapping by at
-    least `overlap` frames; the last batch ends at the last frame (it may overlap more)."""
-    if batch_frames is None or batch_frames >= num_frames:
-        return [(0, num_frames)]
-    size = snap_frames(batch_frames)
-    overlap = min(max(overlap, 0), size - 1)
-    starts = list(range(0, num_frames - size, size - overlap)) + [num_frames - size]
-    return [(s, s + size) for s in sorted(set(starts))]
+def plan_batches(num_latents: int, batch_latents: int | None, overlap: int) -> list[tuple[int, int]]:
+    """[start, stop) of every temporal batch of latent frames: `batch_latents` long, consecutive batches sharing at
+    least `overlap` latents; the last batch ends at the last latent (it may share more)."""
+    if batch_latents is None or batch_latents >= num_latents:
+        return [(0, num_latents)]
+    overlap = min(max(overlap, 0), batch_latents - 1)
+    starts = list(range(0, num_latents - batch_latents, batch_latents - overlap)) + [num_latents - batch_latents]
+    return [(s, s + batch_latents) for s in sorted(set(starts))]
+
+
+def batch_latents(num_frames: int, batch_frames: int | None, overlap_frames: int) -> list[tuple[int, int]]:
+    """`plan_batches` for a clip of `num_frames` and the user's options: batches of `batch_frames` snapped to 4n+1
+    (n+1 latents), sharing the latents that cover `overlap_frames` (4 frames each, rounded up)."""
+    size = None if batch_frames is None else (snap_frames(batch_frames) - 1) // 4 + 1
+    return plan_batches((_model_frames(num_frames) - 1) // 4 + 1, size, -(-max(overlap_frames, 0) // 4))
+
+
+def crossfade(x0: torch.Tensor, latents: torch.Tensor, start: int, shared_until: int) -> None:
+    """Writes a batch's latents [n, ...] into the clip's x0 from latent `start`; those it shares with the previous
+    batch (up to `shared_until`) are blended with what that batch wrote, whose weight falls from k/(k+1) to 1/(k+1)
+    across the k shared latents."""
+    k = max(shared_until - start, 0)
+    weight = torch.arange(1, k + 1, dtype=x0.dtype, device=x0.device).view(-1, *[1] * (x0.dim() - 1)) / (k + 1)
+    x0[start:start + k] = torch.lerp(x0[start:start + k], latents[:k], weight)
+    x0[start + k:start + latents.shape[0]] = latents[k:]
 
 
 def fit_area(height: int, width: int, max_pixels: int) -> tuple[int, int]:
@@ -100,9 +128,29 @@ def _model_frames(n: int) -> int:
     return (n - 1 + 3) // 4 * 4 + 1
 
 
-def _pad_time(x: torch.Tensor, frames: int) -> torch.Tensor:
-    """[N, ...] -> [frames, ...] repeating the last frame."""
-    return torch.cat([x, x[-1:].expand(frames - x.shape[0], *x.shape[1:])]) if frames > x.shape[0] else x
+class SourceFrames:
+    """A uint8 clip [F, H, W, 3] (host memory) and what the VAE and the colour fix read from it, made on the device a
+    few frames at a time: frames resized to `size` (and centre-cropped to `out_size` for "area"), in [-1, 1]; for
+    the VAE, on a canvas padded to multiples of 16 (bottom and right, replicated) and past the last frame its
+    repetition (4n+1 frames)."""
+
+    def __init__(self, frames: torch.Tensor, size: tuple[int, int], out_size: tuple[int, int],
+                 device: torch.device):
+        self.frames, self.size, self.out_size, self.device = frames, size, out_size, device
+        self.canvas = [-(-s // MULTIPLE) * MULTIPLE for s in out_size]
+
+    def reference(self, start: int, stop: int) -> torch.Tensor:
+        """Frames [start, stop) at the output size: fp32 [n, 3, H, W] in [-1, 1]."""
+        index = torch.arange(start, stop).clamp_(max=self.frames.shape[0] - 1)
+        x = self.frames[index].to(self.device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        x = F.interpolate(x, size=self.size, mode="bicubic", antialias=True, align_corners=False).clamp_(-1.0, 1.0)
+        top, left = (self.size[0] - self.out_size[0]) // 2, (self.size[1] - self.out_size[1]) // 2
+        return x[:, :, top:top + self.out_size[0], left:left + self.out_size[1]]
+
+    def model_input(self, start: int, stop: int) -> torch.Tensor:
+        """Frames [start, stop) for the VAE: [1, 3, n, canvas H, canvas W]."""
+        pad = (0, self.canvas[1] - self.out_size[1], 0, self.canvas[0] - self.out_size[0])
+        return F.pad(self.reference(start, stop), pad, mode="replicate").transpose(0, 1)[None]
 
 
 class SeedVR2Pipeline:
@@ -171,44 +219,45 @@ class SeedVR2Pipeline:
                         "dtype": str(self.dit.dtype).removeprefix("torch.")},
                 "vae": {"dtype": str(self.vae.dtype).removeprefix("torch.")}}
 
-    # ---- one batch ---------------------------------------------------------------------------------------------
+    # ---- model space -------------------------------------------------------------------------------------------
     def predict(self, vid: torch.Tensor) -> torch.Tensor:
         """The DiT on [T, h, w, 33] -> v [T, h, w, 16]."""
         if self.group is not None:
             return window_sp.predict(self.dit, vid, self.text, TIMESTEP, self.group)
         return self.dit(vid, self.text, TIMESTEP)
 
-    def batch_vae(self) -> VideoVAE | ParallelVAE:
+    def group_vae(self) -> VideoVAE | ParallelVAE:
         return self.vae if self.group is None else ParallelVAE(self.vae, self.group)
 
-    def batch_boundaries(self, frames: int, height: int, width: int, tiling: bool) -> int:
-        """Progress boundaries of one `restore` of [3, frames, height, width]: VAE encode chunks, the DiT, VAE
-        decode chunks."""
-        vae, s, tf = self.batch_vae(), self.vae.config.spatial_factor, self.vae.config.temporal_factor
-        latent = (1, 16, (frames - 1) // tf + 1, height // s, width // s)
-        return vae.encode_boundaries((1, 3, frames, height, width), tiling) + 1 + vae.decode_boundaries(latent, tiling)
+    def encode(self, read, frames: int, generator: torch.Generator, tiling: bool, progress: Phase) -> torch.Tensor:
+        """LQ latents [T, h, w, 16] (DiT scale), sampled from the posterior, of a `frames`-long clip read a VAE chunk
+        at a time (`read(start, stop)` -> [1, 3, n, H, W] in [-1, 1])."""
+        progress.detail = "VAE encode"
+        moments = self.group_vae().encode_stream(read, frames, tiling, on_chunk=progress)
+        return posterior_sample(moments, generator)[0].permute(1, 2, 3, 0) * LATENT_SCALE
+
+    def denoise(self, latents: torch.Tensor, generator: torch.Generator, batches: list[tuple[int, int]],
+                progress: Phase) -> torch.Tensor:
+        """x0 [T, h, w, 16] of the LQ latents: one DiT step per batch [start, stop) of latents (one noise draw for
+        the clip), joined by `crossfade`."""
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
+        x0 = torch.empty_like(noise)
+        for i, (start, stop) in enumerate(batches):
+            progress.detail = f"batch {i + 1}/{len(batches)}: DiT"
+            lq = latents[start:stop]
+            cond = torch.cat([noise[start:stop], lq, torch.ones_like(lq[..., :1])], dim=-1)
+            crossfade(x0, noise[start:stop] - self.predict(cond), start, batches[i - 1][1] if i else start)
+            progress()
+        return x0
 
     @torch.no_grad()
-    def restore(self, video: torch.Tensor, seed: int = 0, tiling: bool = True, progress: Phase | None = None,
-                label: str = "") -> torch.Tensor:
-        """video [3, 4n+1, H, W] in [-1, 1], H and W multiples of 16 -> restored video, same shape, fp32.
-        `progress` counts `batch_boundaries` chunks, its detail `label` + the part running."""
-        def part(name: str) -> Phase | None:
-            if progress is not None:
-                progress.detail = label + name
-            return progress
-
-        gen = torch.Generator().manual_seed(int(seed))
-        vae = self.batch_vae()
-        moments = vae.encode(video[None], tiling=tiling, on_chunk=part("VAE encode"))
-        latent = posterior_sample(moments, gen)[0].permute(1, 2, 3, 0) * LATENT_SCALE  # [T, h, w, 16]
-        noise = torch.randn(latent.shape, generator=gen, dtype=torch.float32).to(latent.device)
-        cond = torch.cat([noise, latent, torch.ones_like(latent[..., :1])], dim=-1)
-        x0 = noise - self.predict(cond)
-        if part("DiT") is not None:
-            progress()
-        z = (x0 / LATENT_SCALE).permute(3, 0, 1, 2)[None]
-        return vae.decode(z, tiling=tiling, on_chunk=part("VAE decode"))[0].float()
+    def restore(self, video: torch.Tensor, seed: int = 0, tiling: bool = True) -> torch.Tensor:
+        """video [3, 4n+1, H, W] in [-1, 1], H and W multiples of 16 -> restored video, same shape, fp32 (one batch,
+        no colour fix)."""
+        gen, progress = torch.Generator().manual_seed(int(seed)), Phase(None, "upscaling", 0)
+        latents = self.encode(lambda start, stop: video[None, :, start:stop], video.shape[1], gen, tiling, progress)
+        x0 = self.denoise(latents, gen, [(0, latents.shape[0])], progress)
+        return self.group_vae().decode(_vae_scale(x0), tiling=tiling)[0].float()
 
     # ---- clips ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -217,14 +266,15 @@ class SeedVR2Pipeline:
                 seed: int = 0, batch_frames: int | None = None, overlap_frames: int = 4, tiling: bool = True,
                 resize: str = "side", on_step: Callable | None = None, notes: list[str] | None = None
                 ) -> torch.Tensor:
-        """uint8 frames [F, H, W, 3] -> uint8 [F, H', W', 3] on the CPU.
+        """uint8 frames [F, H, W, 3] -> uint8 [F, H', W', 3] in host memory (on the group's rank 0; other ranks get a
+        placeholder of that shape that holds nothing).
 
         The output size comes from exactly one of (target_height and/or target_width), `scale` or `resolution`.
         `resize="side"` keeps that size exactly (the model runs on a canvas padded to multiples of 16);
         `resize="area"` is the official recipe (the target area at the input aspect, centre-cropped to multiples
-        of 16). `batch_frames` (snapped to 4k+1) splits long clips into batches overlapping by `overlap_frames`,
-        crossfaded. `on_step` gets a PhaseEvent ("upscaling") at every chunk boundary of every batch; raise from it
-        to stop. What a tiny preset changed about the size is appended to `notes`.
+        of 16). `batch_frames` (snapped to 4k+1) splits long clips into DiT batches sharing the latents of
+        `overlap_frames`, crossfaded. `on_step` gets a PhaseEvent ("upscaling") at every boundary; raise from it to
+        stop. What a tiny preset changed about the size is appended to `notes`.
         """
         frames = self._check_frames(frames)
         if color_fix not in COLOR_FIX_MODES:
@@ -243,25 +293,48 @@ class SeedVR2Pipeline:
         else:
             size = (out_h, out_w)
 
-        batches = plan_batches(num, batch_frames, overlap_frames)
-        canvas = [-(-s // MULTIPLE) * MULTIPLE for s in (out_h, out_w)]
-        per_batch = self.batch_boundaries(_model_frames(batches[0][1] - batches[0][0]), *canvas, tiling) + 1
-        progress = Phase(on_step, "upscaling", len(batches) * per_batch, f"batch 1/{len(batches)}: VAE encode")
-        out = torch.empty((num, out_h, out_w, 3), dtype=torch.uint8)
-        carry = None
-        for i, (start, stop) in enumerate(batches):
-            label = f"batch {i + 1}/{len(batches)}: "
-            y = self._upscale_batch(frames[start:stop], size, (out_h, out_w), color_fix, seed, tiling, progress,
-                                    label)
-            if carry is not None:
-                w = torch.arange(1, carry.shape[0] + 1, device=y.device).view(-1, 1, 1, 1) / (carry.shape[0] + 1)
-                y[:carry.shape[0]] = carry * (1 - w) + y[:carry.shape[0]] * w
-            final = (batches[i + 1][0] if i + 1 < len(batches) else stop) - start
-            out[start:start + final] = self._to_uint8(y[:final])
-            carry = y[final:]
-            progress.detail = label + "done"
-            progress(out[start + (final - 1) // 2])
-        return out
+        source = SourceFrames(frames, size, (out_h, out_w), self.device)
+        batches = batch_latents(num, batch_frames, overlap_frames)
+        vae = self.group_vae()
+        total = vae.encode_boundaries(_model_frames(num)) + len(batches) + vae.decode_boundaries(batches[-1][1])
+        progress = Phase(on_step, "upscaling", total, "VAE encode")
+        gen = torch.Generator().manual_seed(int(seed))
+        latents = self.encode(source.model_input, _model_frames(num), gen, tiling, progress)
+        x0 = self.denoise(latents, gen, batches, progress)
+        del latents
+        return self.decode(x0, source, color_fix, tiling, progress)
+
+    def decode(self, x0: torch.Tensor, source: SourceFrames, color_fix: str, tiling: bool, progress: Phase
+               ) -> torch.Tensor:
+        """uint8 frames [F, H, W, 3] of the clip's x0 (host memory, rank 0): decoded a chunk at a time, each chunk
+        cropped, colour-fixed against the resized source and converted to uint8 where it was decoded. Every
+        boundary hands rank 0's newly finished frames on (PhaseEvent.frames, streamed to the job's clients) with the
+        last of them as the preview."""
+        num, (out_h, out_w) = source.frames.shape[0], source.out_size
+        keep = self.group is None or dist.get_rank(self.group) == 0
+        out = torch.empty((num, out_h, out_w, 3), dtype=torch.uint8) if keep else None
+        finished: list[DecodedFrames] = []  # since the last boundary (one delivery per boundary)
+
+        def finish(start: int, pixels: torch.Tensor) -> torch.Tensor:
+            n = min(pixels.shape[2], num - start)  # the time padding (at most 3 frames) never fills a chunk
+            restored = pixels[0, :, :n, :out_h, :out_w].transpose(0, 1)  # [n, 3, H, W], fp32 NCHW for the colour fix
+            restored = restored.to(torch.float32, memory_format=torch.contiguous_format)
+            fixed = apply_color_fix(restored, source.reference(start, start + n), color_fix).clamp_(-1.0, 1.0)
+            return to_uint8_frames(((fixed + 1) / 2).transpose(0, 1))
+
+        def deliver(start: int, chunk: torch.Tensor) -> None:
+            if out is not None:
+                frames = out[start:start + chunk.shape[0]]
+                frames.copy_(chunk)
+                finished.append(DecodedFrames(start, num, frames))
+
+        def boundary() -> None:
+            frames = finished.pop() if finished else None
+            progress(None if frames is None else frames.pixels[-1], frames)
+
+        progress.detail = "VAE decode"
+        self.group_vae().decode_stream(_vae_scale(x0), deliver, finish, tiling, on_chunk=boundary)
+        return out if out is not None else torch.zeros((), dtype=torch.uint8).expand(num, out_h, out_w, 3)
 
     def output_size(self, height: int, width: int, target_height: int | None, target_width: int | None,
                     scale: float | None, resolution: str | int | None, notes: list[str]) -> tuple[int, int]:
@@ -290,23 +363,10 @@ class SeedVR2Pipeline:
             raise UpscaleError(f"The video is empty or too small ({tuple(frames.shape)}).")
         return frames
 
-    def _upscale_batch(self, frames: torch.Tensor, size: tuple[int, int], out_size: tuple[int, int],
-                       color_fix: str, seed: int, tiling: bool, progress: Phase, label: str) -> torch.Tensor:
-        """uint8 [n, H, W, 3] -> fp32 [n, 3, out_h, out_w] in [-1, 1] on the device."""
-        n = frames.shape[0]
-        x = frames.to(self.device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-        x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp_(-1.0, 1.0)
-        top, left = (size[0] - out_size[0]) // 2, (size[1] - out_size[1]) // 2  # "area": centre crop
-        reference = x[:, :, top:top + out_size[0], left:left + out_size[1]]
-        canvas = [-(-s // MULTIPLE) * MULTIPLE for s in out_size]  # "side": pad bottom/right, crop back below
-        padded = F.pad(reference, (0, canvas[1] - out_size[1], 0, canvas[0] - out_size[0]), mode="replicate")
-        video = _pad_time(padded, _model_frames(n)).permute(1, 0, 2, 3)
-        restored = self.restore(video, seed, tiling, progress, label).permute(1, 0, 2, 3)[:n, :, :out_size[0], :out_size[1]]
-        return apply_color_fix(restored, reference, color_fix).clamp_(-1.0, 1.0)
 
-    @staticmethod
-    def _to_uint8(y: torch.Tensor) -> torch.Tensor:
-        return to_uint8_frames(((y + 1) / 2).permute(1, 0, 2, 3)).cpu()
+def _vae_scale(x0: torch.Tensor) -> torch.Tensor:
+    """DiT-scale latents [T, h, w, 16] -> the VAE's [1, 16, T, h, w]."""
+    return (x0 / LATENT_SCALE).permute(3, 0, 1, 2)[None]
 
 
-__all__ = ["SeedVR2Pipeline", "UpscaleError", "output_size", "plan_batches", "snap_frames"]
+__all__ = ["SeedVR2Pipeline", "UpscaleError", "batch_latents", "output_size", "plan_batches", "snap_frames"]

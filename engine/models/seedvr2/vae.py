@@ -5,11 +5,18 @@ by name). Causality: a conv never pads time with zeros; the first chunk replicat
 at the head, and every later chunk is prefixed with the last k - s input frames the conv saw in the previous chunk
 (`Causal.memory`). Chunking in time is therefore exact. GroupNorm statistics are per frame, never across time.
 
-Memory: time is processed in chunks (`encode_chunk` frames, `decode_chunk` latents); a conv whose input exceeds
-`CONV_MAX_ELEMENTS` runs in row bands with exact halos; optional spatial tiling (tiles blended with linear ramps)
-bounds the activations of large frames, at the price of per-tile GroupNorm statistics (not exact). `on_chunk()`
-is called after every temporal chunk of every tile (`encode_boundaries` / `decode_boundaries` say how often), so
-a job can report progress and stop between chunks.
+Two layouts run the same modules. The reference keeps activations contiguous (NCDHW). The fast path
+(`VideoVAE.channels_last`, on by default on CUDA) keeps them channels-last (`torch.channels_last_3d`): cuDNN's NDHWC
+convolutions with the spatial zero padding inside the call, GroupNorm + SiLU in one pass
+(engine/kernels/group_norm.py), and views where the reference transposes. Both compute the same thing.
+
+Memory: time is processed in chunks (`encode_chunk` frames, `decode_chunk` latents). A conv too large for one call
+runs in bands with exact halos: row bands in the reference (over `CONV_MAX_ELEMENTS` input elements), time bands in
+the fast path (contiguous slices there; each call stays below cuDNN's 32-bit indexing). Optional spatial tiling
+(tiles blended with linear ramps; one causal state per tile) bounds the activations of large frames, at the price of
+per-tile GroupNorm statistics (not exact). `encode_stream` reads its input a chunk at a time and `decode_stream` hands
+every decoded chunk on, so a clip's pixels never need to exist whole; `on_chunk()` is called after every chunk
+(`encode_boundaries` / `decode_boundaries` say how often), so a job can report progress and stop between chunks.
 
 Frames: T = 4n + 1 pixel frames <-> n + 1 latent frames; latent 0 is pixel frame 0 alone.
 """
@@ -17,6 +24,7 @@ Frames: T = 4n + 1 pixel frames <-> n + 1 latent frames; latent 0 is pixel frame
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -24,9 +32,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.kernels.attention import attention, use_backend
+from engine.kernels.group_norm import frame_group_norm_silu
 from engine.models.seedvr2.config import VAEConfig
 
 CONV_MAX_ELEMENTS = 1 << 28
+CHANNELS_LAST_CONV_MAX_ELEMENTS = 3 << 29  # input or output elements of one fast-path call (cuDNN: below 2**31)
+
+Read = Callable[[int, int], torch.Tensor]  # (start, stop) -> those frames of the input
+Finish = Callable[[int, torch.Tensor], torch.Tensor]  # (first frame, chunk output) -> its result, frames first
+Deliver = Callable[[int, torch.Tensor], None]  # (first frame, finished frames)
+
+
+def channels_last(x: torch.Tensor) -> bool:
+    """Whether x [B, C, T, H, W] is laid out channels-last: the fast path's activations."""
+    return x.permute(0, 2, 3, 4, 1).is_contiguous() and not x.is_contiguous()
+
+
+def layout(x: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last_3d if channels_last(x) else torch.contiguous_format
 
 
 class Causal:
@@ -42,6 +65,13 @@ def frame_group_norm(norm: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
     b, c, t, h, w = x.shape
     y = F.group_norm(x.transpose(1, 2).reshape(b * t, c, h, w), norm.num_groups, norm.weight, norm.bias, norm.eps)
     return y.view(b, t, c, h, w).transpose(1, 2)
+
+
+def norm_silu(norm: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
+    """silu(frame_group_norm(norm, x)); on a channels-last x one fused pass, the result channels-last too."""
+    if channels_last(x):
+        return frame_group_norm_silu(x, norm, torch.empty_like(x))
+    return F.silu(frame_group_norm(norm, x), inplace=True)
 
 
 class CausalConv3d(nn.Conv3d):
@@ -60,10 +90,10 @@ class CausalConv3d(nn.Conv3d):
         if state is not None and self in state.memory:
             x = torch.cat([state.memory[self].to(x), x], dim=2)
         elif self.time_pad:
-            x = torch.cat([x[:, :, :1].expand(-1, -1, 2 * self.time_pad, -1, -1), x], dim=2)
+            x = torch.cat([x[:, :, :1]] * (2 * self.time_pad) + [x], dim=2)
         if state is not None and keep > 0:
             state.memory[self] = x[:, :, x.shape[2] - keep:].clone()
-        return self._conv(x)
+        return self._conv_channels_last(x) if channels_last(x) else self._conv(x)
 
     def _conv(self, x: torch.Tensor) -> torch.Tensor:
         left, right, top, bottom = self.space_pad
@@ -82,6 +112,30 @@ class CausalConv3d(nn.Conv3d):
             outs.append(F.conv3d(part, self.weight, self.bias, self.stride))
         return torch.cat(outs, dim=3)
 
+    def _conv_channels_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The fast path: bands of output frames (contiguous slices of a channels-last input) small enough for one
+        cuDNN call each, the result channels-last (cuDNN keeps the layout, the CPU does not); where even one output
+        frame is too large, the reference's row bands."""
+        (kt, kh, kw), (st, sh, sw) = self.kernel_size, self.stride
+        left, right, top, bottom = self.space_pad
+        b, c, t, h, w = x.shape
+        h, w = h + top + bottom, w + left + right
+        frame = b * max(c * h * w, self.out_channels * ((h - kh) // sh + 1) * ((w - kw) // sw + 1))  # in or out
+        frames = (t - kt) // st + 1
+        band = (CHANNELS_LAST_CONV_MAX_ELEMENTS // frame - kt) // st + 1  # output frames per call
+        conv = self._conv_padded
+        if band < 1:
+            conv, band = self._conv, 1
+        outs = [conv(x[:, :, f * st:(min(f + band, frames) - 1) * st + kt]) for f in range(0, frames, band)]
+        return torch.cat(outs, dim=2).contiguous(memory_format=torch.channels_last_3d)
+
+    def _conv_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """One call, the zero padding inside it where it is symmetric."""
+        left, right, top, bottom = self.space_pad
+        if (left, top) != (right, bottom):
+            return F.conv3d(F.pad(x, self.space_pad), self.weight, self.bias, self.stride)
+        return F.conv3d(x, self.weight, self.bias, self.stride, (0, top, left))
+
 
 class ResnetBlock3D(nn.Module):
     def __init__(self, cin: int, cout: int, c: VAEConfig):
@@ -93,11 +147,11 @@ class ResnetBlock3D(nn.Module):
         self.conv_shortcut = CausalConv3d(cin, cout, 1) if cin != cout else None
 
     def forward(self, x: torch.Tensor, state: Causal | None) -> torch.Tensor:
-        h = self.conv1(F.silu(frame_group_norm(self.norm1, x), inplace=True), state)
-        h = self.conv2(F.silu(frame_group_norm(self.norm2, h), inplace=True), state)
+        h = self.conv1(norm_silu(self.norm1, x), state)
+        h = self.conv2(norm_silu(self.norm2, h), state)
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x, state)
-        return x + h
+        return h.add_(x)
 
 
 class Downsample3D(nn.Module):
@@ -112,12 +166,16 @@ class Downsample3D(nn.Module):
         return self.conv(x, state)
 
 
-def depth_to_space(x: torch.Tensor, rt: int) -> torch.Tensor:
-    """[B, (2 * 2 * rt * C), F, H, W] -> [B, C, F * rt, 2H, 2W]: channel ((x * 2 + y) * rt + z) * C + c goes to
-    frame f * rt + z, row h * 2 + x, column w * 2 + y."""
+def depth_to_space(x: torch.Tensor, rt: int, memory_format: torch.memory_format = torch.contiguous_format
+                   ) -> torch.Tensor:
+    """[B, (2 * 2 * rt * C), F, H, W] -> [B, C, F * rt, 2H, 2W] (in `memory_format`): channel ((x * 2 + y) * rt + z)
+    * C + c goes to frame f * rt + z, row h * 2 + x, column w * 2 + y."""
     b, n, f, h, w = x.shape
-    x = x.view(b, 2, 2, rt, n // (4 * rt), f, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2)
-    return x.reshape(b, n // (4 * rt), f * rt, h * 2, w * 2)
+    c = n // (4 * rt)
+    out = torch.empty(b, c, f * rt, 2 * h, 2 * w, dtype=x.dtype, device=x.device, memory_format=memory_format)
+    out.unflatten(2, (f, rt)).unflatten(4, (h, 2)).unflatten(6, (w, 2)).copy_(
+        x.unflatten(1, (2, 2, rt, c)).permute(0, 4, 5, 3, 6, 1, 7, 2))
+    return out
 
 
 class Upsample3D(nn.Module):
@@ -135,7 +193,7 @@ class Upsample3D(nn.Module):
         self.conv = CausalConv3d(channels, channels)
 
     def forward(self, x: torch.Tensor, state: Causal | None) -> torch.Tensor:
-        x = depth_to_space(self.upscale_conv(x), self.rt)
+        x = depth_to_space(self.upscale_conv(x), self.rt, layout(x))
         if self.rt == 2 and (state is None or state.first):
             x = torch.cat([x[:, :, :1], x[:, :, 2:]], dim=2)
         return self.conv(x, state)
@@ -221,7 +279,7 @@ class Encoder3D(nn.Module):
         for block in self.down_blocks:
             x = block(x, state)
         x = self.mid_block(x, state)
-        return self.conv_out(F.silu(frame_group_norm(self.conv_norm_out, x), inplace=True), state)
+        return self.conv_out(norm_silu(self.conv_norm_out, x), state)
 
 
 class Decoder3D(nn.Module):
@@ -243,25 +301,22 @@ class Decoder3D(nn.Module):
         x = self.mid_block(self.conv_in(z, state), state)
         for block in self.up_blocks:
             x = block(x, state)
-        return self.conv_out(F.silu(frame_group_norm(self.conv_norm_out, x), inplace=True), state)
+        return self.conv_out(norm_silu(self.conv_norm_out, x), state)
 
 
-def chunk_count(frames: int, chunk: int) -> int:
-    """How many temporal chunks `VideoVAE._chunked` cuts `frames` into: the first 1 + chunk, then chunk at a time."""
-    return 1 + -(-max(frames - 1 - chunk, 0) // chunk)
+def temporal_chunks(frames: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) of every temporal chunk of a `frames`-long input: the first 1 + chunk, then chunk at a time."""
+    return [(0, min(1 + chunk, frames))] + [(s, min(s + chunk, frames)) for s in range(1 + chunk, frames, chunk)]
 
 
-def tile_count(height: int, width: int, tile: int, overlap: int) -> int:
-    """How many spatial tiles `tiled` runs over a [..., height, width] input."""
-    if height <= tile and width <= tile:
-        return 1
-    return len(_tile_starts(height, tile, tile - overlap)) * len(_tile_starts(width, tile, tile - overlap))
-
-
-def _tile_starts(size: int, tile: int, stride: int) -> list[int]:
+def _tiles(size: int, tile: int, overlap: int, align: int) -> tuple[list[int], int]:
+    """(starts, length) of the fewest tiles of at most `tile` covering `size` with at least `overlap` between
+    neighbours, spread evenly; starts and length are multiples of `align`."""
     if size <= tile:
-        return [0]
-    return list(range(0, size - tile, stride)) + [size - tile]
+        return [0], size
+    n = -(-(size - overlap) // (tile - overlap))
+    length = min(tile, -(-(size + (n - 1) * overlap) // (n * align)) * align)
+    return [round(i * (size - length) / (n - 1) / align) * align for i in range(n)], length
 
 
 def _ramp(n: int, head: int, tail: int, device: torch.device) -> torch.Tensor:
@@ -274,27 +329,28 @@ def _ramp(n: int, head: int, tail: int, device: torch.device) -> torch.Tensor:
     return r
 
 
-def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int, overlap: int,
+def tiled(fn: Callable[[torch.Tensor, int], torch.Tensor], x: torch.Tensor, tile: int, overlap: int,
           scale: float) -> torch.Tensor:
-    """fn over overlapping spatial tiles of x [..., H, W] (outputs scale x the tile size), blended with linear
-    ramps over the overlaps. Equals fn(x) for any fn that treats pixels independently."""
+    """fn(tile of x, tile index) over overlapping spatial tiles of x [..., H, W] of at most `tile` (outputs scale x
+    the tile size; the fewest tiles, spread evenly), blended with linear ramps over the overlaps. Equals fn(x, 0) for
+    any fn that treats pixels independently."""
     height, width = x.shape[-2:]
     if height <= tile and width <= tile:
-        return fn(x)
-    stride, ov = tile - overlap, round(overlap * scale)
+        return fn(x, 0)
+    align, ov = max(1, round(1 / scale)), round(overlap * scale)  # tiles start on the output's grid
+    (rows, th), (cols, tw) = _tiles(height, tile, overlap, align), _tiles(width, tile, overlap, align)
     out = weight = None
-    for h0 in _tile_starts(height, tile, stride):
-        for w0 in _tile_starts(width, tile, stride):
-            part = fn(x[..., h0:h0 + tile, w0:w0 + tile]).float()
-            ph, pw = part.shape[-2:]
-            if out is None:
-                out = part.new_zeros(*part.shape[:-2], round(height * scale), round(width * scale))
-                weight = part.new_zeros(out.shape[-2:])
-            mask = (_ramp(ph, ov if h0 else 0, ov if h0 + tile < height else 0, part.device)[:, None]
-                    * _ramp(pw, ov if w0 else 0, ov if w0 + tile < width else 0, part.device)[None])
-            oh, ow = round(h0 * scale), round(w0 * scale)
-            out[..., oh:oh + ph, ow:ow + pw] += part * mask
-            weight[oh:oh + ph, ow:ow + pw] += mask
+    for index, (h0, w0) in enumerate([(h0, w0) for h0 in rows for w0 in cols]):
+        part = fn(x[..., h0:h0 + th, w0:w0 + tw], index).float()
+        ph, pw = part.shape[-2:]
+        if out is None:
+            out = part.new_zeros(*part.shape[:-2], round(height * scale), round(width * scale))
+            weight = part.new_zeros(out.shape[-2:])
+        mask = (_ramp(ph, ov if h0 else 0, ov if h0 + th < height else 0, part.device)[:, None]
+                * _ramp(pw, ov if w0 else 0, ov if w0 + tw < width else 0, part.device)[None])
+        oh, ow = round(h0 * scale), round(w0 * scale)
+        out[..., oh:oh + ph, ow:ow + pw] += part * mask
+        weight[oh:oh + ph, ow:ow + pw] += mask
     return out / weight
 
 
@@ -307,7 +363,75 @@ def posterior_sample(moments: torch.Tensor, generator: torch.Generator | None) -
     return mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * noise
 
 
-class VideoVAE(nn.Module):
+def _frames_first(start: int, x: torch.Tensor) -> torch.Tensor:
+    return x.movedim(2, 0)
+
+
+class ClipStreams:
+    """Encoding and decoding a clip in temporal chunks, whole (`encode`, `decode`) or streamed (`encode_stream`,
+    `decode_stream`), over `_stream`: one rank's (`VideoVAE`) or spread over ranks (`vae_parallel.ParallelVAE`).
+    Subclasses give `model` (the VideoVAE), `encode_chunk`, `decode_chunk`, `_stream` and `_boundaries`."""
+
+    def encode_stream(self, read: Read, frames: int, tiling: bool = False,
+                      on_chunk: Callable[[], None] | None = None) -> torch.Tensor:
+        """Moments [B, 32, n+1, H/8, W/8] (mean, logvar) of a clip of `frames` = 4n+1 frames read a chunk at a time:
+        read(start, stop) -> frames [B, 3, stop - start, H, W] in [-1, 1], H and W multiples of 8."""
+        m = self.model
+        tf, s = m.config.temporal_factor, m.config.spatial_factor
+        if (frames - 1) % tf:
+            raise ValueError(f"the VAE takes {tf}n+1 frames, got {frames}")
+        parts = []
+        self._stream(self._coder(m.encoder, tiling, m.tile_size, m.tile_overlap, 1 / s), read,
+                     temporal_chunks(frames, self.encode_chunk), lambda start: -(-start // tf), _frames_first,
+                     lambda start, part: parts.append(part), on_chunk)
+        return torch.cat(parts).movedim(0, 2)
+
+    def encode(self, x: torch.Tensor, tiling: bool = False, on_chunk: Callable[[], None] | None = None
+               ) -> torch.Tensor:
+        """x [B, 3, 4n+1, H, W] in [-1, 1], H and W multiples of 8 -> moments [B, 32, n+1, H/8, W/8]."""
+        return self.encode_stream(lambda start, stop: x[:, :, start:stop], x.shape[2], tiling, on_chunk)
+
+    def decode_stream(self, z: torch.Tensor, deliver: Deliver, finish: Finish = _frames_first, tiling: bool = False,
+                      on_chunk: Callable[[], None] | None = None) -> None:
+        """Decodes z [B, 16, n+1, h, w] (VAE scale, not the DiT's) a chunk at a time: the pixels [B, 3, f, 8h, 8w] of
+        frames [start, start + f) become finish(start, pixels) (frames first; runs where the chunk was decoded),
+        then deliver(start, finished), chunk after chunk in order (on every rank)."""
+        m = self.model
+        tf, s = m.config.temporal_factor, m.config.spatial_factor
+        self._stream(self._coder(m.decoder, tiling, m.tile_size // s, m.tile_overlap // s, s),
+                     lambda start, stop: z[:, :, start:stop], temporal_chunks(z.shape[2], self.decode_chunk),
+                     lambda start: max(tf * start - tf + 1, 0), finish, deliver, on_chunk)
+
+    def decode(self, z: torch.Tensor, tiling: bool = False, on_chunk: Callable[[], None] | None = None
+               ) -> torch.Tensor:
+        """z [B, 16, n+1, h, w] (VAE scale) -> video [B, 3, 4n+1, 8h, 8w]."""
+        parts = []
+        self.decode_stream(z, lambda start, part: parts.append(part), tiling=tiling, on_chunk=on_chunk)
+        return torch.cat(parts).movedim(0, 2)
+
+    def encode_boundaries(self, frames: int) -> int:
+        """How often encoding `frames` frames calls `on_chunk`."""
+        return self._boundaries(len(temporal_chunks(frames, self.encode_chunk)))
+
+    def decode_boundaries(self, latents: int) -> int:
+        """How often decoding `latents` latent frames calls `on_chunk`."""
+        return self._boundaries(len(temporal_chunks(latents, self.decode_chunk)))
+
+    def _coder(self, coder: nn.Module, tiling: bool, tile: int, overlap: int, scale: float):
+        """code(x, state_of): `coder` over one temporal chunk x (in spatial tiles if `tiling`; tile i carries the
+        causal state state_of(i)), in the model's dtype and layout."""
+        m = self.model
+
+        def code(x: torch.Tensor, state_of: Callable[[int], Causal]) -> torch.Tensor:
+            x = m.prepare(x)
+            if not tiling:
+                return coder(x, state_of(0))
+            return tiled(lambda part, i: coder(part, state_of(i)), x, tile, overlap, scale).to(m.dtype)
+
+        return code
+
+
+class VideoVAE(ClipStreams, nn.Module):
     def __init__(self, config: VAEConfig):
         super().__init__()
         self.config = config
@@ -317,60 +441,39 @@ class VideoVAE(nn.Module):
         self.decode_chunk = 2  # latent frames per chunk after the first latent
         self.tile_size = 1024  # pixels
         self.tile_overlap = 128
+        self.channels_last: bool | None = None  # the fast path; None: on CUDA
+
+    @property
+    def model(self) -> "VideoVAE":
+        return self
 
     @property
     def dtype(self) -> torch.dtype:
         return self.encoder.conv_in.weight.dtype
 
-    @staticmethod
-    def _chunked(fn, x: torch.Tensor, chunk: int, on_chunk: Callable[[], None] | None = None) -> torch.Tensor:
-        state, outs = Causal(), []
-        pieces = [x[:, :, :1 + chunk]] + [p for p in x[:, :, 1 + chunk:].split(chunk, dim=2) if p.shape[2]]
-        for piece in pieces:
-            outs.append(fn(piece, state))
-            state.first = False
+    @property
+    def device(self) -> torch.device:
+        return self.encoder.conv_in.weight.device
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the model's dtype, channels-last on the fast path, else contiguous."""
+        fast = self.channels_last if self.channels_last is not None else x.is_cuda
+        return x.to(self.dtype, memory_format=torch.channels_last_3d if fast else torch.contiguous_format)
+
+    def _boundaries(self, chunks: int) -> int:
+        return chunks
+
+    def _stream(self, code, read: Read, chunks: list[tuple[int, int]], out_start: Callable[[int], int],
+                finish: Finish, deliver: Deliver, on_chunk: Callable[[], None] | None) -> None:
+        states = defaultdict(Causal)  # one per spatial tile
+        for start, stop in chunks:
+            out = code(read(start, stop), states.__getitem__)
+            for state in states.values():
+                state.first = False
+            first = out_start(start)
+            deliver(first, finish(first, out))
             if on_chunk is not None:
                 on_chunk()
-        return torch.cat(outs, dim=2)
-
-    def encode_boundaries(self, shape: tuple[int, ...], tiling: bool = False) -> int:
-        """How often `encode` of an input of `shape` [B, 3, T, H, W] calls `on_chunk`."""
-        tiles = tile_count(*shape[-2:], self.tile_size, self.tile_overlap) if tiling else 1
-        return tiles * chunk_count(shape[2], self.encode_chunk)
-
-    def decode_boundaries(self, shape: tuple[int, ...], tiling: bool = False) -> int:
-        """How often `decode` of latents of `shape` [B, 16, t, h, w] calls `on_chunk`."""
-        s = self.config.spatial_factor
-        tiles = tile_count(*shape[-2:], self.tile_size // s, self.tile_overlap // s) if tiling else 1
-        return tiles * chunk_count(shape[2], self.decode_chunk)
-
-    def encode(self, x: torch.Tensor, tiling: bool = False, on_chunk: Callable[[], None] | None = None
-               ) -> torch.Tensor:
-        """x [B, 3, 4n+1, H, W] in [-1, 1], H and W multiples of 8 -> moments [B, 32, n+1, H/8, W/8] (mean, logvar)."""
-        tf, s = self.config.temporal_factor, self.config.spatial_factor
-        if (x.shape[2] - 1) % tf:
-            raise ValueError(f"the VAE takes {tf}n+1 frames, got {x.shape[2]}")
-        x = x.to(self.dtype)
-
-        def run(part):
-            return self._chunked(self.encoder, part, self.encode_chunk, on_chunk)
-
-        if not tiling:
-            return run(x)
-        return tiled(run, x, self.tile_size, self.tile_overlap, 1 / s).to(self.dtype)
-
-    def decode(self, z: torch.Tensor, tiling: bool = False, on_chunk: Callable[[], None] | None = None
-               ) -> torch.Tensor:
-        """z [B, 16, n+1, h, w] (VAE scale, not the DiT's) -> video [B, 3, 4n+1, 8h, 8w]."""
-        s = self.config.spatial_factor
-        z = z.to(self.dtype)
-
-        def run(part):
-            return self._chunked(self.decoder, part, self.decode_chunk, on_chunk)
-
-        if not tiling:
-            return run(z)
-        return tiled(run, z, self.tile_size // s, self.tile_overlap // s, s).to(self.dtype)
 
 
 def build_vae(config: VAEConfig, seed: int | None = 0, dtype: torch.dtype = torch.float32,
