@@ -1,6 +1,7 @@
 import os
 import tempfile
 
+import pytest
 import torch
 
 from engine_fixture import engine  # noqa: F401  (a real engine process per test module)
@@ -12,3 +13,12 @@ if not torch.cuda.is_available():
 
 # Engines the nodes auto-launch log to $H3FORGE_LOG_DIR (else ~/.h3forge/logs): keep the tests' logs out of $HOME.
 os.environ.setdefault("H3FORGE_LOG_DIR", tempfile.mkdtemp(prefix="h3forge-test-logs-"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny tensors: one thread runs them faster than two (and far faster on a busy CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -11,13 +11,7 @@ from engine.models.seedvr2.config import LATENT_SCALE
 from engine.models.seedvr2.pipeline import SeedVR2Pipeline, crossfade, plan_batches
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: one thread runs them faster than two (and far faster on a busy CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def steps(latents: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,7 @@ from benchmarks.seedvr2 import FloatMemory
 from engine.models.seedvr2.pipeline import SeedVR2Pipeline
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: one thread runs them faster than two (and far faster on a busy CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def peak_float_bytes(pipe: SeedVR2Pipeline, frames: int) -> int:

@@ -22,13 +22,7 @@ CONFIG = VAEConfig(block_out_channels=(8, 16, 16, 32), layers_per_block=1, norm_
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: one thread runs them faster than two (and far faster on a busy CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

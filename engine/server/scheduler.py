@@ -135,7 +135,7 @@ class ProgressReporter:
     from the last job's decode time per latent voxel. Every other boundary (PhaseEvent: loading, reading source,
     encoding, decoding, upscaling, muxing) reports its own stage and detail; its ETA comes from that phase's rate
     so far or, before its first chunk, from the seconds per chunk the last job measured for the stage (`rates`,
-    kept by the scheduler). SeedVR2 batches preview a finished batch's middle frame."""
+    kept by the scheduler). SeedVR2 previews every decoded chunk."""
 
     def __init__(self, job: Job, loop: asyncio.AbstractEventLoop, decode_s_per_voxel: float,
                  rates: dict[str, float] | None = None,
