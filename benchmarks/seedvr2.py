@@ -29,6 +29,7 @@ import argparse
 import collections
 import contextlib
 import gc
+import json
 import math
 import sys
 import time
@@ -252,17 +253,18 @@ def plan_15s(dit, ranks, height, width, frames=361) -> dict:
                                             * dit.config.num_layers / 1e9, 2)}
 
 
-def predict_memory(plan, dit_runs, vae_run, stubbed_runs, weights) -> dict:
+def predict_memory(plan, dit_runs, vae_run, clip_runs, weights) -> dict:
     """Per-rank memory for the planned clip: weights + the DiT's local activations (bytes per token from the two
     DiT runs x the busiest rank's tokens) + what every rank holds for the whole clip: the patchified input and the
     gathered output (about 2 kB per token, from window_sp.predict) and what grows with the clip in the pipeline (bytes
-    per frame from the two DiT-stubbed upscales); the VAE's chunk peak does not grow with the clip."""
+    per frame between two untiled upscales: the 21-frame DiT-stubbed one and the 15 s one, whose peak is the VAE
+    chunk's, so the difference is the whole-clip tensors or more; 9 and 21 frames differ by their VAE chunk)."""
     a, b = dit_runs
     per_token = (b["act_peak_GiB"] - a["act_peak_GiB"]) * GiB / (b["tokens"] - a["tokens"])
     replicated_per_token = 2 * 132 * 4 + 64 * (2 + 2 + 2 + 8)
     dit_local = per_token * plan["busiest_rank_tokens"]
     dit_replicated = replicated_per_token * plan["tokens"]
-    u0, u1 = stubbed_runs
+    u0, u1 = clip_runs
     clip_per_frame = max(u1["peak_GiB"] - u0["peak_GiB"], 0) * GiB / (u1["frames"] - u0["frames"])
     clip = clip_per_frame * plan["frames"]
     vae_chunk = max(vae_run["encode_act_peak_GiB"], vae_run["decode_act_peak_GiB"]) * GiB
@@ -315,12 +317,33 @@ def print_table():
             f"activations; compute-only {m['compute_only_s']}")
 
 
+def predict(results: dict, weights: float) -> dict:
+    """The per-rank prediction from a run's measured rows."""
+    plan = results["plan_15s"]
+    fast_untiled = next(r for r in results["vae"] if r["path"] == "fast" and not r["tiling"])
+    stubbed = next(r for r in results["upscale"] if not r["dit"] and r["frames"] == 21)
+    memory = predict_memory(plan, results["dit"], fast_untiled, (stubbed, results["clip_15s"]), weights)
+    long_run = results["dit"][1]
+    memory["compute_only_s"] = {
+        "dit": round(long_run["s"] / long_run["tokens"] * plan["busiest_rank_tokens"], 2),
+        "vae_fast_untiled": round(fast_untiled["s_per_frame"] * plan["frames"] / plan["ranks"], 2)}
+    return memory
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU: checks the code path only")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--predict", type=Path, metavar="JSON",
+                        help="recompute a saved run's per-rank prediction from its measured rows (no GPU) and print it")
     args = parser.parse_args()
+    if args.predict:
+        RESULTS.update(json.loads(args.predict.read_text()))
+        RESULTS["predicted_15s_1080p"] = predict(RESULTS, RESULTS["weights_GiB"] * GiB)
+        save(args.predict)
+        print_table()
+        return 0
     out = Path(args.out or ("benchmarks/results/seedvr2_tiny.json" if args.tiny else "benchmarks/results/seedvr2.json"))
     device = torch.device("cpu" if args.tiny else "cuda")
     height, width = (32, 48) if args.tiny else (1088, 1920)
@@ -359,15 +382,8 @@ def main() -> int:
     stage("clip_15s", lambda: RESULTS.__setitem__("clip_15s", run_upscale(pipe, frames, h, w, device, tiling=False)),
           out)
     stage("plan", lambda: RESULTS.__setitem__("plan_15s", plan_15s(dit, args.ranks, height, width)), out)
-    if all(k in RESULTS for k in ("dit", "vae", "upscale", "plan_15s")):
-        plan = RESULTS["plan_15s"]
-        fast_untiled = next(r for r in RESULTS["vae"] if r["path"] == "fast" and not r["tiling"])
-        memory = predict_memory(plan, RESULTS["dit"], fast_untiled, RESULTS["upscale"][3:], weights)
-        long_run = RESULTS["dit"][1]
-        memory["compute_only_s"] = {
-            "dit": round(long_run["s"] / long_run["tokens"] * plan["busiest_rank_tokens"], 2),
-            "vae_fast_untiled": round(fast_untiled["s_per_frame"] * plan["frames"] / plan["ranks"], 2)}
-        RESULTS["predicted_15s_1080p"] = memory
+    if all(k in RESULTS for k in ("dit", "vae", "upscale", "clip_15s", "plan_15s")):
+        RESULTS["predicted_15s_1080p"] = predict(RESULTS, weights)
         save(out)
     print_table()
     log(f"wrote {out}")
