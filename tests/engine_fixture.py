@@ -74,25 +74,40 @@ def _health(port: int) -> dict | None:
 def start_engine(tmp: Path, *args: str, env: dict | None = None, ready_timeout: float = 120.0,
                  port: int | None = None):
     """An engine on `port` (default: a free one), its token and log in `tmp`: one restarted on the same port and
-    `tmp` keeps its token."""
-    port, tmp = port or free_port(), Path(tmp)
+    `tmp` keeps its token. A free port can be taken before the engine binds it (a gloo rank's listener draws from the
+    same ephemeral range), so a chosen port that was is chosen again, up to three times."""
+    tmp = Path(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):
+        engine = _launch(tmp, port or free_port(), args, env)
+        try:
+            if _became_ready(engine, ready_timeout):
+                yield engine
+                return
+        finally:
+            _stop(engine.process)
+        if port is not None or "address already in use" not in engine.log():
+            break
+    pytest.fail(f"engine did not become ready (exit {engine.process.poll()}):\n{engine.log()[-4000:]}")
+
+
+def _launch(tmp: Path, port: int, args, env: dict | None) -> RunningEngine:
     token_file, log_file = tmp / "token", tmp / f"engine-{port}.log"
     cmd = [sys.executable, "-m", "engine", "serve", "--preset", "tiny", "--device", "cpu", "--port", str(port),
            "--token-file", str(token_file), *args]
     with open(log_file, "wb") as log:
         process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env={**os.environ, **(env or {})}, start_new_session=True)
-    engine = RunningEngine(port, token_file, log_file, process)
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while (_health(port) or {}).get("state") != "ready":
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"engine did not become ready (exit {process.poll()}):\n{engine.log()[-4000:]}")
-            time.sleep(0.2)
-        yield engine
-    finally:
-        _stop(process)
+    return RunningEngine(port, token_file, log_file, process)
+
+
+def _became_ready(engine: RunningEngine, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while (_health(engine.port) or {}).get("state") != "ready":
+        if engine.process.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def _stop(process: subprocess.Popen) -> None:
