@@ -5,10 +5,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models.h3.vae import (TINY_AUDIO_VAE, TINY_VIDEO_VAE, TOY_AUDIO_VAE, VideoVAE, audio_vae_file_config,
-                                  build_tiny_audio_vae, build_tiny_video_vae, load_audio_vae_file,
-                                  load_video_vae_file, save_audio_vae_file,
-                                  save_video_vae_file)
+from engine.models.h3.vae import (TINY_AUDIO_VAE, TINY_VIDEO_VAE, TOY_AUDIO_VAE, TOY_VIDEO_VAE, VideoVAE,
+                                  audio_vae_file_config, build_tiny_audio_vae, build_tiny_video_vae,
+                                  load_audio_vae_file, load_video_vae_file, save_audio_vae_file, save_video_vae_file,
+                                  video_vae_file_config)
 
 
 def comfy_video_vae_file(vae, path, prefix=""):
@@ -96,3 +96,27 @@ def test_audio_vae_file_header_names_its_architecture(tmp_path):
     save_file(tensors, bare, metadata={"config": '{"decoder_dim": 256, "upsample_rates": [8, 5, 5, 4]}'})
     with pytest.raises(ValueError, match=r"unknown audio VAE setting\(s\) \['upsample_rates'\].*allowed: encoder_dim"):
         load_audio_vae_file(bare)
+
+
+def test_video_vae_file_header_names_its_architecture(tmp_path):
+    """The embedded default's video VAE (the tiny encoder, a wider decoder) loads from its file alone, as the audio
+    VAE does; a file without a header is read as the release."""
+    vae = build_tiny_video_vae(seed=6, config=TOY_VIDEO_VAE)
+    path = comfy_video_vae_file(vae, tmp_path / "minimax_h3_toy_video_vae_fp16.safetensors")
+    assert video_vae_file_config(path)["decoder_attention_head_dim"] == TOY_VIDEO_VAE["decoder_attention_head_dim"]
+    loaded = load_video_vae_file(path)
+    assert loaded.model.decoder.proj_in.out_features == 6 * 32
+    z = torch.randn(1, 24, 7, 2, 3)
+    reference = build_tiny_video_vae(seed=6, config=TOY_VIDEO_VAE)
+    reference.model.load_state_dict({k: v.half().float() for k, v in reference.model.state_dict().items()})
+    assert torch.allclose(loaded.model.decode(z).sample, reference.model.decode(z).sample, atol=1e-5)
+
+    tensors = load_file(path)
+    bare = tmp_path / "bare.safetensors"
+    save_file(tensors, bare)
+    assert video_vae_file_config(bare) is None
+    with pytest.raises(ValueError, match=r"bare.safetensors"):
+        load_video_vae_file(bare)
+    save_file(tensors, bare, metadata={"config": '{"decoder_width": 128}'})
+    with pytest.raises(ValueError, match=r"unknown video VAE setting\(s\) \['decoder_width'\].*allowed: latent_channels"):
+        load_video_vae_file(bare)

@@ -157,3 +157,26 @@ def test_the_training_canvas_is_the_engines():
     compression = pipe.video_vae.spatial_compression
     assert tuple(sample["reference"].shape[-2:]) == (128 // compression, 192 // compression)
     assert np.isfinite(sample["text"]["ref2va"].numpy()).all()
+
+
+def test_a_fresh_video_decoder_keeps_the_latents(tmp_path):
+    """`--fresh-video-decoder`: the committed encoder (so the latents the DiT learned) with a wider decoder, which
+    decoder-only training improves while the latents stay the same."""
+    import numpy as np
+
+    from engine.models.h3.vae import TOY_VIDEO_VAE
+    from training.train import Log, encode_video, fresh_video_decoder, toy_clips, train_video_vae
+
+    torch.manual_seed(0)
+    pipe = H3Pipeline.from_preset("toy")
+    clips = toy_clips(range(1), 96, 64, 0.9, 1)
+    before = encode_video(pipe.video_vae, clips[0])
+    vae = fresh_video_decoder(pipe.video_vae, seed=0)
+    assert vae.model.decoder.proj_in.out_features == (TOY_VIDEO_VAE["decoder_num_attention_heads"]
+                                                       * TOY_VIDEO_VAE["decoder_attention_head_dim"])
+    assert torch.equal(encode_video(vae, clips[0]), before)
+    train_video_vae(vae, clips, 60.0, 1, Log(tmp_path / "log.jsonl"), np.random.default_rng(0), max_steps=6,
+                    decoder_only=True)
+    losses = [json.loads(line)["recon"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert torch.equal(encode_video(vae, clips[0]), before)

@@ -42,8 +42,8 @@ from engine.models.h3.pipeline import KEYFRAME_NOISE_AUG, TOY_FILES, Canvas, Gen
 from engine.models.h3.references import AudioReference, ImageReference, normalise_image
 from engine.models.h3.schedule import AUDIO_SHIFT, VIDEO_SHIFT
 from engine.models.h3.vae import (IMAGENET_MEAN, IMAGENET_STD, TINY_TILE_OVERLAP, TINY_TILE_SIZE, TOY_AUDIO_VAE,
-                                  AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae, save_audio_vae_file,
-                                  save_video_vae_file)
+                                  TOY_VIDEO_VAE, AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae,
+                                  save_audio_vae_file, save_video_vae_file)
 from training.captions import caption
 from training.guidance import GuidedDiT, guided
 from training.scoring import score_clip
@@ -162,6 +162,18 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
             log("video_vae", step, max_steps, recon=recon.item())
     model.eval()
     model.enable_tiling(TINY_TILE_SIZE, TINY_TILE_SIZE, TINY_TILE_OVERLAP, TINY_TILE_OVERLAP)
+
+
+def fresh_video_decoder(vae: VideoVAE, seed: int) -> VideoVAE:
+    """The VAE's encoder (so its latents, and the DiT that learned them, stay valid) with a TOY_VIDEO_VAE decoder drawn
+    from `seed`."""
+    model = build_tiny_video_vae(seed, TOY_VIDEO_VAE).model.to(vae.device)
+    kept = {k: v for k, v in vae.model.state_dict().items() if not k.startswith("decoder.")}
+    missing, unexpected = model.load_state_dict(kept, strict=False)
+    assert not unexpected and all(k.startswith("decoder.") for k in missing), (missing, unexpected)
+    fresh = video_vae(model, list(vae.latents_mean_values), list(vae.latents_std_values))
+    fresh.latent_rgb = vae.latent_rgb
+    return fresh
 
 
 def fresh_audio_vae(seed: int) -> AudioVAE:
@@ -568,6 +580,9 @@ def main(argv=None) -> int:
     p.add_argument("--fresh-audio-vae", action="store_true",
                    help="with --resume: an audio VAE drawn from --seed (TOY_AUDIO_VAE) instead of the file's; a DiT "
                         "resumed on it relearns the sound")
+    p.add_argument("--fresh-video-decoder", action="store_true",
+                   help="with --resume: the video VAE's decoder drawn from --seed at TOY_VIDEO_VAE's width (the "
+                        "encoder, its latents and so the DiT kept); train it with --stages video_decoder")
     p.add_argument("--cache", type=Path, default=None,
                    help="the DiT stage's encoded clips: read from this file when it holds --clips of them, "
                         "else written")
@@ -614,13 +629,16 @@ def main(argv=None) -> int:
                                      device=device, dtype=torch.float32)
     else:
         conditioner = build_tiny_conditioner(0, TOY.text_dim).to(device)  # frozen
-        pipe = H3Pipeline(build_dit(TOY, seed=args.seed, device=device), build_tiny_video_vae(args.seed).to(device),
+        pipe = H3Pipeline(build_dit(TOY, seed=args.seed, device=device),
+                          build_tiny_video_vae(args.seed, TOY_VIDEO_VAE).to(device),
                           fresh_audio_vae(args.seed).to(device), conditioner,
                           training_canvas(width, height), device, "toy")
     if args.fresh_dit:
         pipe.dit = build_dit(TOY, seed=args.seed, device=device)
     if args.fresh_audio_vae:
         pipe.audio_vae = fresh_audio_vae(args.seed).to(device)
+    if args.fresh_video_decoder:
+        pipe.video_vae = fresh_video_decoder(pipe.video_vae, args.seed).to(device)
     if args.fresh_dit or not args.resume:
         text_at_unit_scale(pipe.conditioner)
     pipe.canvas = training_canvas(width, height)

@@ -180,12 +180,13 @@ class H3Pipeline:
         from engine.models.h3.conditioner import tiny_text_encoder_shape
         from engine.models.h3.model_files import describe_file
         from engine.models.h3.vae import (TINY_AUDIO_VAE, TINY_VIDEO_VAE, audio_vae_file_config, load_audio_vae_file,
-                                          load_video_vae_file)
+                                          load_video_vae_file, video_vae_file_config)
 
         device, configs = torch.device(device), dict(configs or {})
         if "text_encoder" not in configs and tiny_text_encoder_shape(text_encoder):
+            video = video_vae_file_config(video_vae) or dict(TINY_VIDEO_VAE)
             audio = audio_vae_file_config(audio_vae) or dict(TINY_AUDIO_VAE)
-            configs = {"video_vae": dict(TINY_VIDEO_VAE), "audio_vae": audio, "canvas": TINY_CANVAS, **configs}
+            configs = {"video_vae": video, "audio_vae": audio, "canvas": TINY_CANVAS, **configs}
         conditioner = Conditioner.from_single_file(text_encoder, tokenizer_dir, configs.get("text_encoder"),
                                                    dtype=dtype, device=device, layer=configs.get("layer"))
         if ref_dit is None and "fl2va" in Path(dit).name:

@@ -90,6 +90,13 @@ TINY_VIDEO_VAE = dict(
     decoder_num_layers=2, decoder_num_attention_heads=2, decoder_attention_head_dim=16,
     decoder_num_register_tokens=2,
 )
+# The embedded default's video VAE: the tiny encoder (its latents are what the toy DiT learned) and a decoder wide
+# enough to draw a 16x16 patch: the tiny one maps each token to its 3072 pixel values through 32 channels, which blurs
+# the toy objects' edges and colours. The file header records it (`save_video_vae_file`).
+TOY_VIDEO_VAE = dict(TINY_VIDEO_VAE, decoder_num_layers=4, decoder_num_attention_heads=6, decoder_attention_head_dim=32)
+VIDEO_ARCHITECTURE = ("latent_channels", "block_out_channels", "layers_per_block", "norm_num_groups",
+                      "decoder_num_layers", "decoder_num_attention_heads", "decoder_attention_head_dim",
+                      "decoder_num_register_tokens", "decoder_ffn_mult")
 # Half the real 256/64 px: canvases past 128 px (the tiny default 224x128 included) decode as blended tiles,
 # while small encodes stay one tile (CPU conv3d pays for every overlap).
 TINY_TILE_SIZE, TINY_TILE_OVERLAP = 128, 32
@@ -537,8 +544,8 @@ class VideoVAE(nn.Module):
                    wrapper.get("vae_tile_size", TILE_SIZE), wrapper.get("vae_tile_overlap_min", TILE_OVERLAP))
 
 
-def build_tiny_video_vae(seed: int = 0) -> VideoVAE:
-    model = _seeded(AutoencoderKLMiniMaxH3, dict(TINY_VIDEO_VAE, latents_mean=VIDEO_LATENTS_MEAN,
+def build_tiny_video_vae(seed: int = 0, config: dict = TINY_VIDEO_VAE) -> VideoVAE:
+    model = _seeded(AutoencoderKLMiniMaxH3, dict(config, latents_mean=VIDEO_LATENTS_MEAN,
                                                  latents_std=VIDEO_LATENTS_STD), seed)
     return VideoVAE(model, tile_size=TINY_TILE_SIZE, tile_overlap=TINY_TILE_OVERLAP)
 
@@ -694,8 +701,10 @@ def _latent_stats(stats: dict, path: Path) -> tuple[list, list]:
 
 
 def load_video_vae_file(path: str | Path, config: dict | None = None) -> VideoVAE:
-    """The Comfy video VAE single file (F16 weights upcast to fp32); `config` defaults to the released one."""
+    """The Comfy video VAE single file (F16 weights upcast to fp32); `config` defaults to the one in the file's
+    header, else the released one."""
     path = Path(path)
+    config = config or video_vae_file_config(path)
     with no_init_weights():
         model = AutoencoderKLMiniMaxH3(**(config or video_vae_config_from_original({}, {})))
     stats: dict = {}
@@ -711,8 +720,8 @@ def load_video_vae_file(path: str | Path, config: dict | None = None) -> VideoVA
     return vae
 
 
-def audio_vae_file_config(path: str | Path) -> dict | None:
-    """The architecture a Comfy audio VAE file's header records (`save_audio_vae_file` writes it), else None."""
+def _header_config(path: str | Path, allowed: tuple[str, ...], what: str) -> dict | None:
+    """The architecture a file's header records under 'config' (the embedded default's files carry one), else None."""
     with safe_open(Path(path), framework="pt", device="cpu") as f:
         text = (f.metadata() or {}).get("config")
     if text is None:
@@ -721,11 +730,21 @@ def audio_vae_file_config(path: str | Path) -> dict | None:
         config = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"{Path(path).name}: the header's 'config' is not JSON ({error})") from None
-    unknown = sorted(set(config) - set(AUDIO_ARCHITECTURE))
+    unknown = sorted(set(config) - set(allowed))
     if unknown:
-        raise ValueError(f"{Path(path).name}: unknown audio VAE setting(s) {unknown} in the header's 'config'; "
-                         f"allowed: {', '.join(AUDIO_ARCHITECTURE)}")
+        raise ValueError(f"{Path(path).name}: unknown {what} setting(s) {unknown} in the header's 'config'; "
+                         f"allowed: {', '.join(allowed)}")
     return config
+
+
+def audio_vae_file_config(path: str | Path) -> dict | None:
+    """The architecture a Comfy audio VAE file's header records (`save_audio_vae_file` writes it), else None."""
+    return _header_config(path, AUDIO_ARCHITECTURE, "audio VAE")
+
+
+def video_vae_file_config(path: str | Path) -> dict | None:
+    """The architecture a Comfy video VAE file's header records (`save_video_vae_file` writes it), else None."""
+    return _header_config(path, VIDEO_ARCHITECTURE, "video VAE")
 
 
 def load_audio_vae_file(path: str | Path, config: dict | None = None) -> AudioVAE:
@@ -747,8 +766,8 @@ def load_audio_vae_file(path: str | Path, config: dict | None = None) -> AudioVA
 def save_video_vae_file(vae: VideoVAE, path: str | Path, prefix: str = "") -> Path:
     """A video VAE as the Comfy single file `load_video_vae_file` reads: original names in F16, the latent
     statistics as buffers (the trained embedded default is written this way)."""
-    sd, out = vae.model.state_dict(), {}
-    heads = vae.model.config.decoder_num_attention_heads
+    sd, out, config = vae.model.state_dict(), {}, vae.model.config
+    heads = config.decoder_num_attention_heads
     for original, targets in original_video_vae_plan(vae.model).items():
         if ".attn.to_qkv." in original:
             tensor = interleave_qkv(torch.cat([sd[t] for t in targets]), heads)
@@ -757,11 +776,14 @@ def save_video_vae_file(vae: VideoVAE, path: str | Path, prefix: str = "") -> Pa
         else:
             tensor = sd[targets[0]]
         out[prefix + original] = tensor.half()
-    out[prefix + "decoder.mask_token"] = torch.zeros(1, 1, heads * 16).half()  # unused at inference
+    # unused at inference
+    out[prefix + "decoder.mask_token"] = torch.zeros(1, 1, heads * config.decoder_attention_head_dim).half()
     out[prefix + "latents_mean"] = torch.tensor(vae.latents_mean_values)
     out[prefix + "latents_std"] = torch.tensor(vae.latents_std_values)
     out[prefix + "latent_rgb_factors"], out[prefix + "latent_rgb_bias"] = vae.latent_rgb
-    save_file({k: v.detach().contiguous().cpu() for k, v in out.items()}, str(path))
+    architecture = {k: v for k, v in config.items() if k in VIDEO_ARCHITECTURE}
+    save_file({k: v.detach().contiguous().cpu() for k, v in out.items()}, str(path),
+              metadata={"config": json.dumps(architecture)})
     return Path(path)
 
 
