@@ -1,10 +1,10 @@
-"""Train the embedded default on the toy world: the tiny video and audio VAEs, then a small H3 DiT on their latents.
+"""Train the embedded default on the toy world: small video and audio VAEs, then a small H3 DiT on their latents.
 
     python -m training.train --minutes 8 --seed 0 --out engine/weights/toy     # GPU machine
     python -m training.train --smoke                                            # CPU: a few steps of each stage
 
-Every part is the engine's own class: the diffusers video / audio VAEs at the tiny preset's widths (the real
-compression and frame rules), our H3 DiT (`TOY`: the tiny preset's architecture, wider and deeper), and the tiny
+Every part is the engine's own class: the diffusers video / audio VAEs at small widths (`TOY_VIDEO_VAE`,
+`TOY_AUDIO_VAE`; the real compression and frame rules), our H3 DiT (`TOY`: the tiny preset's architecture, wider and deeper), and the tiny
 Qwen3-VL conditioner drawn from seed 0 and kept frozen (its prompt embeddings are computed once per clip). The DiT
 learns what every H3 task feeds it: t2va, first / last keyframe rows (fl2va), masked edits (regenerated cells at
 their timestep, the rest at the condition level) and extension guide rows.
