@@ -27,9 +27,10 @@ Engine -> client:
     status       {id, ...}                                       same body as GET /v1/status
     error        {id?, job?, code, message}                      the message is written for an artist
 
-Result frames go out once each, in order: t2va, fl2va, ref2va, edit and refine stream them in result_chunks as the
-VAE decodes them (extend and upscale send them all with the result), and the result carries the frames from `start`
-on, those the connection has not had. A client that reconnects attaches with the count it holds and gets the rest.
+Result frames go out once each, in order: every task streams them in result_chunks as they become final (t2va,
+fl2va, ref2va, edit and refine as the VAE decodes them, extend its source's frames and then each window's as they
+decode, upscale batch by batch), and the result carries the frames from `start` on, those the connection has not
+had. A client that reconnects attaches with the count it holds and gets the rest.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class _JobWatch:
     """One job being followed: what to call, whether a cancel was asked for, the result's frames so far."""
 
     on_progress: Callable[[ProgressEvent], Awaitable[None] | None] | None
-    on_frames: Callable[[int, np.ndarray], Awaitable[None] | None] | None
+    on_frames: Callable[[int, int, np.ndarray], Awaitable[None] | None] | None
     cancel: asyncio.Event | None
     deadline: float | None
     timeout: float | None
@@ -201,9 +201,9 @@ class EngineClient:
     async def run(self, task: str, params: dict, tensors: dict[str, np.ndarray] | None = None,
                   on_progress=None, cancel: asyncio.Event | None = None, timeout: float | None = None,
                   mp4: bool = False, on_frames=None) -> JobResult:
-        """Runs one job to its end. `on_progress(ProgressEvent)` and `on_frames(start, frames)` (the result's frames
-        [start, start + n) as the engine streams them, before the result; read-only) may be functions or coroutine
-        functions."""
+        """Runs one job to its end. `on_progress(ProgressEvent)` and `on_frames(start, total, frames)` (the result's
+        frames [start, start + n) of `total` as the engine streams them, in order, before the result; read-only) may be
+        functions or coroutine functions."""
         tensors = {name: np.asarray(a) for name, a in (tensors or {}).items()}
         large = sum(a.nbytes for a in tensors.values()) > OFF_LOOP_BYTES
         try:  # same rules as the engine, without a round trip
@@ -343,7 +343,7 @@ class EngineClient:
         elif kind == "result_chunk" and msg["job"] == watch.job:
             await watch.take(msg["start"], msg["total"], frames["frames"])
             if watch.on_frames is not None:
-                outcome = watch.on_frames(msg["start"], frames["frames"])
+                outcome = watch.on_frames(msg["start"], msg["total"], frames["frames"])
                 if inspect.isawaitable(outcome):
                     await outcome
         elif kind == "result" and msg["job"] == watch.job:

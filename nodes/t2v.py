@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import io
 import time
+from functools import partial
 
 from . import comfy_compat as comfy
 from .client import EngineError
 from .engine_node import ENGINE_TYPE, connect, readable_error, speed_params
 from .lora import LORAS_INPUT
 from .references import REFERENCES_INPUT, reference_job
-from .video_io import images_to_uint8, result_outputs
+from .video_io import ResultImages, images_to_uint8, result_outputs
 
 ASPECTS = ["16:9", "9:16", "1:1", "4:3", "3:4", "21:9", "auto"]
 MAX_SIDE = 4096
@@ -203,19 +204,20 @@ class SourceJobGone(ValueError):
 
 async def video_job(engine, task: str, params: dict, tensors: dict, unique_id) -> tuple:
     """Runs an engine task that returns a clip: (VIDEO, IMAGE, AUDIO, job id). Everything heavy here (the
-    result's conversion) runs on a worker thread: ComfyUI runs its nodes on one event loop, whose other nodes'
-    network timers must keep running."""
+    conversion of each streamed chunk of frames as it arrives, then of the rest of the result) runs on a worker
+    thread: ComfyUI runs its nodes on one event loop, whose other nodes' network timers must keep running."""
     comfy.send_progress_text("H3Forge: connecting to the engine", unique_id)
     client = await connect(engine)
     if task != "upscale":  # SeedVR2 has its own attention and no VSA
         params = {**params, **speed_params(engine)}
-    result = await run_job(client, task, params, tensors, unique_id)
-    return (*await asyncio.to_thread(result_outputs, result), result.job)
+    images = ResultImages()
+    result = await run_job(client, task, params, tensors, unique_id, partial(asyncio.to_thread, images.convert))
+    return (*await asyncio.to_thread(result_outputs, result, images), result.job)
 
 
-async def run_job(client, task: str, params: dict, tensors: dict, unique_id):
-    """Runs one engine job with ComfyUI progress, live preview, status text and interrupt → engine cancel.
-    Raises SourceJobGone when the engine has no result for params["source_job"]."""
+async def run_job(client, task: str, params: dict, tensors: dict, unique_id, on_frames=None):
+    """Runs one engine job with ComfyUI progress, live preview, status text and interrupt → engine cancel;
+    `on_frames` goes to the client. Raises SourceJobGone when the engine has no result for params["source_job"]."""
     from PIL import Image
 
     cancel = asyncio.Event()
@@ -245,7 +247,8 @@ async def run_job(client, task: str, params: dict, tensors: dict, unique_id):
 
     watcher = asyncio.create_task(watch_interrupt())
     try:
-        result = await client.run(task, params, tensors or None, on_progress=on_progress, cancel=cancel)
+        result = await client.run(task, params, tensors or None, on_progress=on_progress, cancel=cancel,
+                                  on_frames=on_frames)
     except EngineError as error:
         if cancel.is_set():
             _raise_interrupt(interrupted)

@@ -99,15 +99,44 @@ def mask_to_uint8(mask):
     return (batch * 255).round().to(torch.uint8).contiguous().numpy()
 
 
-def result_outputs(result) -> tuple:
-    """(VIDEO, IMAGE, AUDIO) of an engine JobResult. A silent result gets a silent AUDIO track of its length."""
+class ResultImages:
+    """A job's result frames as a ComfyUI IMAGE (float32 [F, H, W, 3] in 0..1), converted chunk by chunk as the
+    engine streams them (the client's `on_frames`, on a worker thread), so the result leaves only the frames it
+    carries to convert."""
+
+    def __init__(self):
+        self.images = None  # allocated at the first chunk
+        self.converted = 0  # frames [0, converted) are in `images`
+
+    def convert(self, start: int, total: int, frames) -> None:
+        """Frames [start, start + n) of `total` (uint8 [n, H, W, 3] numpy, read-only), in order."""
+        import numpy as np
+        import torch
+
+        if self.images is None:
+            self.images = torch.empty((total, *frames.shape[1:]), dtype=torch.float32)
+        target = self.images[start:start + len(frames)]
+        np.copyto(target.numpy(), frames)  # uint8 -> float32 is exact
+        target.div_(255.0)
+        self.converted = start + len(frames)
+
+    def finish(self, frames):
+        """The IMAGE of all the result's `frames` (uint8 [F, H, W, 3]): those not streamed are converted now."""
+        if self.converted < len(frames):
+            self.convert(self.converted, len(frames), frames[self.converted:])
+        return self.images
+
+
+def result_outputs(result, images: ResultImages) -> tuple:
+    """(VIDEO, IMAGE, AUDIO) of an engine JobResult whose streamed frames `images` converted. A silent result gets a
+    silent AUDIO track of its length."""
     import numpy as np
     import torch
 
-    # The client's arrays are read-only views of the received buffers; these conversions make new arrays.
-    frames = torch.from_numpy(result.frames.astype(np.float32)).div_(255.0)
+    frames = images.finish(result.frames)
     frame_rate = Fraction(result.fps).limit_denominator(1001)
     if result.audio is not None:
+        # The client's audio is a read-only view of the received buffer; astype makes a new array.
         audio = {"waveform": torch.from_numpy(result.audio.astype(np.float32)).unsqueeze(0),
                  "sample_rate": int(result.sample_rate)}
         sound = audio

@@ -7,6 +7,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import av
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -92,6 +93,35 @@ def test_text_to_video_end_to_end(t2va):
     assert mine and all(text.startswith("H3Forge: ") for text in mine)
     assert any("denoising 2/2" in text for text in mine) and any(text.startswith("H3Forge: decoding") for text in mine)
     assert "done" in mine[-1]
+
+
+def test_streamed_frames_become_the_image_output_before_the_result_arrives(settings, monkeypatch):
+    client = importlib.import_module("h3forge_pack.nodes.client")
+    video_io = importlib.import_module("h3forge_pack.nodes.video_io")
+    converted, at_result = [], []
+    convert, result_frames = video_io.ResultImages.convert, client._JobWatch.result_frames
+
+    def counted(self, start, total, frames):
+        convert(self, start, total, frames)
+        converted.append(len(frames))
+
+    async def noted(self, start, total, rest):
+        at_result.append((sum(converted), start))  # frames converted when the result message is handled
+        return await result_frames(self, start, total, rest)
+
+    monkeypatch.setattr(video_io.ResultImages, "convert", counted)
+    monkeypatch.setattr(client._JobWatch, "result_frames", noted)
+    video, frames, audio, job = generate(settings, steps=2, size=(64, 64))
+    # Every frame was streamed and converted, chunk by chunk, before the result (which carried none) arrived.
+    assert at_result == [(124, 124)] and converted == [17] * 7 + [5]
+
+    # The outputs are the full result's, converted at the end as before streaming.
+    stored = asyncio.run(client_for(settings).attach(job))
+    assert frames.dtype == torch.float32 and frames.shape == (124, 64, 64, 3)
+    assert torch.equal(frames, torch.from_numpy(stored.frames.astype(np.float32)).div_(255.0))
+    assert torch.equal(audio["waveform"], torch.from_numpy(stored.audio.copy())[None]) and audio["sample_rate"] == 32000
+    parts = video.get_components()
+    assert parts.images is frames and parts.audio is audio and parts.frame_rate == Fraction(24)
 
 
 def test_first_frame_runs_fl2va(settings):

@@ -85,7 +85,7 @@ def test_t2va_job_streams_progress_and_its_frames_as_they_decode(engine):
         events.append(event)
         happened.append((event.stage, event.step, event.total))
 
-    def on_frames(start, frames):
+    def on_frames(start, total, frames):
         chunks.append((start, frames.copy()))
         happened.append(("frames", start))
 
@@ -114,6 +114,38 @@ def test_t2va_job_streams_progress_and_its_frames_as_they_decode(engine):
     status = run(engine.client().status())
     assert status["recent"][0]["job"] == result.job and status["recent"][0]["state"] == "done"
     assert status["engine"]["state"] == "ready" and status["models"]["weights"] == "tiny"
+
+
+def test_extend_streams_its_frames_in_order_and_a_client_attaching_mid_job_gets_the_rest_once(engine):
+    # On the tiny preset's 1:1 canvas, which the extension keeps: the source's frames come back pixel for pixel.
+    source = run(engine.client().run("t2va", {"prompt": "a kite over a beach", "steps": 2, "aspect": "1:1"}))
+    chunks, late_chunks = [], []
+
+    async def scenario():
+        ids, attached = [], []
+
+        def on_frames(start, total, frames):
+            chunks.append((start, frames.copy()))
+            if len(chunks) == 1:  # the job goes on: the rest of window 1's decode, then window 2
+                attached.append(asyncio.create_task(engine.client().attach(
+                    ids[0], on_frames=lambda start, total, f: late_chunks.append((start, f.copy())))))
+
+        result = await engine.client().run(
+            "extend", {"source_job": source.job, "prompts": ["the kite dives"], "seconds": 8, "window_seconds": 5,
+                       "steps": 2}, on_progress=lambda event: ids.append(event.job), on_frames=on_frames)
+        return result, await attached[0]
+
+    result, late = run(scenario())
+    frames = result.frames.shape[0]
+    assert frames == FRAMES + 2 * 102 and any("2 window(s)" in note for note in result.meta["notes"])
+    # The source's frames first, then each decoded chunk's final frames, every one once and in order: the result
+    # carried none of them, and the client that attached after the first chunk got them all too, none twice.
+    assert chunks[0][0] == 0 and np.array_equal(chunks[0][1], source.frames) and len(chunks) >= 2
+    assert np.array_equal(joined(chunks), result.frames)
+    assert len(late_chunks) >= 2 and np.array_equal(joined(late_chunks), result.frames)
+    assert np.array_equal(late.frames, result.frames) and np.array_equal(late.audio, result.audio)
+    stored = run(engine.client().attach(result.job))
+    assert np.array_equal(stored.frames, result.frames) and np.array_equal(stored.audio, result.audio)
 
 
 def test_finished_result_mp4_over_websocket_and_http(engine):
@@ -246,7 +278,7 @@ def test_a_connection_dropped_mid_stream_resumes_with_the_frames_it_lacks(engine
         async with CuttableProxy(engine.port) as proxy:
             client = EngineClient(f"ws://127.0.0.1:{proxy.port}", token=engine.token)
 
-            def on_frames(start, frames):
+            def on_frames(start, total, frames):
                 chunks.append((start, frames.copy()))
                 if len(chunks) == 1:
                     proxy.cut()

@@ -93,7 +93,7 @@ def test_upscale_a_stored_job(engine):
     small = run(client.run("t2va", {"prompt": "city lights at night", "width": 32, "height": 32, "steps": STEPS}))
     events, chunks = [], []
     result = run(client.run("upscale", {"source_job": small.job, "width": 48, "height": 48, "batch_frames": 65},
-                            on_progress=events.append, on_frames=lambda start, f: chunks.append((start, f.copy()))))
+                            on_progress=events.append, on_frames=lambda start, _, f: chunks.append((start, f.copy()))))
     assert result.frames.shape == (FRAMES, 48, 48, 3) and result.fps == 24
     # Every frame streamed once, in order, a VAE decode chunk at a time (9, then 8 each), before the result.
     assert [start for start, _ in chunks] == [0] + list(range(9, FRAMES, 8))

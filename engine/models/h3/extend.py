@@ -5,7 +5,8 @@ noised once to the condition level) and its audio latents (clean, cut at 40 Hz b
 condition rows at the times of the window's first latents; all media rows of the window sit on the global clock,
 shifted by s * 40/24 rotary units (s = the window's first pixel frame, fraction kept), after the longest prompt.
 The overlap is regenerated, then dropped. Windows are decoded one at a time with one VAE chunk of context, so
-memory per window is bounded and the source's own frames come back untouched.
+memory per window is bounded and the source's own frames come back untouched. The result's frames stream out in
+order as they become final (PhaseEvent.frames): the source's with the first decoded chunk, then each chunk's new ones.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from engine.models.h3.denoise import Target
 from engine.models.h3.request import ExtendRequest, GenerateResult
 from engine.models.h3.source import audio_latents, encode_video, prepare_clip
 from engine.models.h3.vae import VideoVAE
-from engine.models.phases import Phase
+from engine.models.phases import DecodedFrames, Phase
 
 AUDIO_PER_FRAME = L.AUDIO_LATENTS_PER_SECOND / L.FPS  # 5/3 audio latents per pixel frame
 CONTEXT_CHUNKS = 1  # VAE chunks (17 frames / 5 latents) decoded before a window's new frames
@@ -112,6 +113,7 @@ def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
     emitted = round(F0 / L.FPS * sr)
     out_audio[:, :emitted] = _source_sound(src_wave, req.source.sample_rate, sr, emitted)
     gen = torch.Generator("cpu").manual_seed(int(req.seed))
+    streamed = 0  # frames handed out as final (the source's go with the first window's first decoded chunk)
     for k, window in enumerate(windows):
         text, tags = encoded[k]
         T_w = L.latent_frames(window.frames)
@@ -134,8 +136,7 @@ def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
         guide_sound = True
         chunks = VideoVAE.decode_chunk_count(latents.shape[2] - 5 * _context_chunk(F_prev))
         done = Phase(on_step, "decoding", chunks + 1, f"{name}: video")
-        new_frames = _decode_new_frames(pipe, latents, F_prev, done)
-        out_frames[F_prev:F_prev + new_frames.shape[0]] = new_frames
+        streamed = _decode_new_frames(pipe, latents, out_frames, F_prev, streamed, done)
         done.detail = f"{name}: sound"
         sound = _decode_new_sound(pipe, audio, Ta_prev, emitted)[:, : out_audio.shape[1] - emitted]
         done()
@@ -157,11 +158,21 @@ def _context_chunk(first_new: int) -> int:
     return max(0, (first_new - 5) // 17 - CONTEXT_CHUNKS)
 
 
-def _decode_new_frames(pipe, latents: torch.Tensor, first_new: int, on_chunk=None) -> torch.Tensor:
-    """Decode the frames from `first_new` on, starting at a VAE chunk boundary one chunk earlier for context."""
+def _decode_new_frames(pipe, latents: torch.Tensor, out: torch.Tensor, first_new: int, streamed: int,
+                       done: Phase) -> int:
+    """Decode the frames from `first_new` on into `out`, starting at a VAE chunk boundary one chunk earlier for
+    context. After every chunk `done` hands out the frames of `out` final since the first `streamed` (the stream of
+    the result, in order); returns how many are final now."""
     chunk = _context_chunk(first_new)
-    pixels = pipe.video_vae.decode(latents[:, :, 5 * chunk:].to(pipe.device), on_chunk)
-    return pixels[first_new - 17 * chunk:].cpu()
+    skip, stop = first_new - 17 * chunk, first_new  # context frames still to drop; end of the final frames
+    for pixels in pipe.video_vae.decode_chunks(latents[:, :, 5 * chunk:].to(pipe.device)):
+        new = pixels[skip:]
+        skip = max(0, skip - pixels.shape[0])
+        out[stop:stop + new.shape[0]] = new
+        stop += new.shape[0]
+        done(frames=DecodedFrames(streamed, out.shape[0], out[streamed:stop]) if stop > streamed else None)
+        streamed = stop
+    return stop
 
 
 def _decode_new_sound(pipe, audio: torch.Tensor, first_new: int, emitted: int) -> torch.Tensor:
