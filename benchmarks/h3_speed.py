@@ -10,8 +10,10 @@
      and VSA, the second VSA run hitting the AdaLN cache (time saved per step); the MP4 is encoded while the VAE
      decodes (NVENC where PyAV has it, else libx264 with the per-canvas preset and threads); when the last frame is
      out of the decode (a streaming client has the clip then) and when the MP4 is finished; peak memory.
+     `--fp8`: then the same VSA run with the DiT's block GEMMs and the video decoder's in fp8 (serve
+     --dit-precision fp8; VideoVAE.decode_fp8), quantized in place from the bf16 weights.
 
-    python benchmarks/h3_speed.py [--sparsity 0.875] [--steps 5] [--out benchmarks/results/h3_speed.json]
+    python benchmarks/h3_speed.py [--sparsity 0.875] [--steps 5] [--fp8] [--out benchmarks/results/h3_speed.json]
     python benchmarks/h3_speed.py --tiny     # the same code path on CPU with tiny configs (a smoke check)
 """
 
@@ -146,6 +148,7 @@ def end_to_end(args, device, sync):
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
     from engine.models.h3.pipeline import FULL_CANVAS, TINY_CANVAS, H3Pipeline
+    from engine.models.h3.precision import set_precision
     from engine.models.h3.request import GenerateRequest
     from engine.models.h3.vae import AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae
 
@@ -243,11 +246,18 @@ def end_to_end(args, device, sync):
     e2e["peak_GiB_dit_vae"] = peak()
     if long_req is not None:  # the long clip once, VSA (its AdaLN cache cold)
         e2e["long_frames"] = len(run("long_vsa", long_req).frames)
-    for label in ("dense", "vsa", "vsa_cached", "long_vsa")[:4 if long_req else 3]:
+    e2e["long_peak_GiB_dit_vae"] = peak()
+    labels = ["dense", "vsa", "vsa_cached"] + ["long_vsa"] * (long_req is not None)
+    if args.fp8:
+        set_precision(dit, "fp8")
+        video_vae.decode_fp8 = True
+        pipe.generate(replace(req, steps=2))  # warm-up: the fp8 GEMMs' first calls, the decoder packed in fp8
+        run("fp8_vsa")
+        labels.append("fp8_vsa")
+    for label in labels:
         # generate_s includes the overlapped MP4 encode: the MP4 is ready then
         e2e[f"{label}_end_to_end_s"] = round(e2e["conditioner_encode_s"] + e2e[f"{label}_generate_s"], 2)
         e2e[f"{label}_last_frame_s"] = round(e2e["conditioner_encode_s"] + e2e.pop(f"{label}_last_frame_after_s"), 2)
-    e2e["long_peak_GiB_dit_vae"] = peak()
 
 
 def main() -> int:
@@ -256,6 +266,7 @@ def main() -> int:
     parser.add_argument("--sparsity", type=float, default=0.875)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--long-seconds", type=float, default=15, help="e2e: one more VSA run this long (0: none)")
+    parser.add_argument("--fp8", action="store_true", help="e2e: one more VSA run with fp8 DiT and decoder GEMMs")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--skip", nargs="*", default=[], help="stages to skip: dit output e2e")
     parser.add_argument("--out", default="benchmarks/results/h3_speed.json")
@@ -280,7 +291,7 @@ def main() -> int:
         log(f"output path: GPU uint8 + D2H {RESULTS['output_gpu_uint8_d2h_ms']} ms vs CPU convert "
             f"{RESULTS['output_cpu_convert_ms']} ms ({RESULTS['output_speedup']}x)")
     e2e = RESULTS.get("e2e", {})
-    for label in ("dense", "vsa", "vsa_cached", "long_vsa"):
+    for label in ("dense", "vsa", "vsa_cached", "long_vsa", "fp8_vsa"):
         if f"{label}_end_to_end_s" in e2e:
             seconds = args.long_seconds if label == "long_vsa" else 5
             log(f"e2e t2va {e2e['canvas']} {seconds:g} s {e2e['steps']} grid points, {label}: last frame at "
