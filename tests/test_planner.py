@@ -1,7 +1,8 @@
 """The memory planner (engine/runtime/planner.py): its choices for a table of GPUs and requests on the released
-model's sizes, its refusals, and the engine that carries a plan out: streamed DiT units and text-encoder layers
-give the same frames, a request that cannot fit is refused before work, and an out-of-memory inside a job ends
-that job with the plan in its message, holds no memory after, and the next job runs."""
+model's sizes (TP and the VAE's batches included), its refusals, and the engine that carries a plan out: streamed
+DiT units and text-encoder layers and the planned VAE batches give the same frames, ranks without --tp take the
+planned TP, a request that cannot fit is refused before work, and an out-of-memory inside a job ends that job with
+the plan in its message, holds no memory after, and the next job runs."""
 
 import asyncio
 import json
@@ -9,6 +10,8 @@ import urllib.request
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from engine.models.h3 import layout as L
 from engine.models.h3.config import FULL
@@ -43,6 +46,7 @@ TABLE = {
     (24, 1, 5): ("int8", 1, 33, True),  # RTX 4090
     (24, 2, 5): ("int8", 2, 79, True),  # 2 x 4090: TP 2 keeps more units on each
     (80, 4, 15): ("bf16", 1, None, True),  # 4 x A100-80: Ulysses 4 shares the activations
+    (48, 4, 5): ("bf16", 2, None, True),  # 4 x L40S: TP 2 holds the bf16 DiT, Ulysses 2 over the pairs
 }
 
 
@@ -61,6 +65,7 @@ def test_the_plans_for_a_table_of_gpus_and_clips(case):
         assert f"{resident} of 102 units on the GPU, streaming" in words and plan.stream_bytes_per_step > 0
         assert plan.host_bytes >= plan.stream_bytes_per_step
     assert ("text encoder streamed" in words) == text_streamed
+    assert (f"TP {tp} x Ulysses {gpus // tp}" in words) == (gpus > 1)
 
 
 def test_pinned_choices_are_kept():
@@ -72,6 +77,36 @@ def test_pinned_choices_are_kept():
     assert plan_memory(RELEASE, Hardware(141 * GiB, 256 * GiB, 4), clip(5), tp=4).tp == 4
     quantized = ModelSizes(**{**RELEASE.__dict__, "stored": "int8"})
     assert plan_memory(quantized, Hardware(141 * GiB, 256 * GiB), clip(5)).precision == "int8"  # as stored
+
+
+def test_the_vae_batches_fit_beside_what_stays_on_the_gpu():
+    """The video VAE decodes (and encodes) as many tiles a call as fit beside what stays on the GPU meanwhile: a DiT
+    held whole stays, a streamed one leaves after the denoise (the streamer evicts every unit). An H200 (140 GiB)
+    holding the whole model, text encoder included, leaves the decoder 56 k tokens a call; an 80 GB card (text
+    encoder streamed), the same H200 with the DiT streamed and a 24 GiB card streaming an int8 DiT the fast path's
+    64 k. The release's VAE widths are the ones read off a released VAE."""
+    from engine.models.h3 import vae as V
+    from engine.runtime.placement import video_vae_sizes
+    from engine.runtime.planner import decode_bytes, encode_bytes
+
+    h200, a100, rtx4090 = (plan_memory(RELEASE, Hardware(gib * GiB, 256 * GiB), clip(5)) for gib in (140, 80, 24))
+    streamed = plan_memory(RELEASE, Hardware(140 * GiB, 256 * GiB), clip(5), resident=100)
+    assert not h200.streaming and not h200.text_encoder_streamed and rtx4090.streaming
+    assert h200.decode_tokens < a100.decode_tokens == streamed.decode_tokens == rtx4090.decode_tokens == 65536
+    assert h200.encode_voxels < a100.encode_voxels < streamed.encode_voxels == rtx4090.encode_voxels == 8912896
+    assert "VAE decode 56 k tokens, encode 4.1 M voxels a batch" in h200.describe()
+    assert "VAE decode 64 k tokens, encode 8.9 M voxels a batch" in rtx4090.describe()
+    assert (h200.as_dict()["decode_tokens"], h200.as_dict()["encode_voxels"]) == (57286, 4139394)
+    budget = 140 * GiB - (1 * GiB + int(0.02 * 140 * GiB))  # less the margin
+    whole = (RELEASE.dit_other_bytes + RELEASE.vae_bytes + RELEASE.text_encoder_bytes
+             + RELEASE.units * RELEASE.unit_bytes("bf16"))  # what stays on the GPU while the VAE decodes
+    v = RELEASE.video_vae
+    assert whole + decode_bytes(v, clip(5), h200.decode_tokens) <= budget
+    assert whole + decode_bytes(v, clip(5), h200.decode_tokens + 1) > budget
+    assert whole + encode_bytes(v, clip(5), h200.encode_voxels) <= budget
+    with torch.device("meta"):
+        released = V.AutoencoderKLMiniMaxH3(**V.video_vae_config_from_original({}, {}))
+    assert video_vae_sizes(V.VideoVAE(released)) == v
 
 
 def test_a_clip_that_cannot_fit_is_refused_with_what_would():
@@ -98,27 +133,88 @@ def test_each_job_is_planned_against_the_loaded_plan():
     assert "does not fit" in str(err.value) and "fits." in str(err.value)
 
 
+def test_weights_already_in_host_memory_count_as_room_for_the_pinned_ones(monkeypatch):
+    """The engine plans after loading the weights into host memory; streaming pins them in place of that copy, so
+    what the host has available then plus what they hold is the budget (a measured one; --host-memory is a total).
+    Before, a 24 GiB plan of the release was refused on a machine that had just loaded it."""
+    from engine.runtime import placement
+
+    monkeypatch.setattr(placement, "host_available_bytes", lambda: 30 * GiB)  # after a 90 GiB load on 128 GiB
+    cpu = torch.device("cpu")
+    with pytest.raises(DoesNotFit, match="needs 92.8 GiB of pinned host memory .* --text-encoder-precision int8"):
+        plan_memory(RELEASE, placement.hardware(cpu, 1, 24, None), clip(5))
+    hw = placement.hardware(cpu, 1, 24, None, held_bytes=90 * GiB)
+    assert hw.host_bytes == 120 * GiB
+    assert plan_memory(RELEASE, hw, clip(5)).host_bytes <= hw.host_bytes
+    assert placement.hardware(cpu, 1, 24, 64, held_bytes=90 * GiB).host_bytes == 64 * GiB
+    pipe = load_pipeline(ModelSource(preset="toy"), RankContext(0, 1, cpu))
+    assert placement.held_on_host(pipe) == sum(t.numel() * t.element_size() for m in (pipe.dit, pipe.conditioner.model)
+                                               for t in (*m.parameters(), *m.buffers()))
+
+
+def _planned_rank(rank, store, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    ctx = RankContext(rank, 2, torch.device("cpu"), dist.group.WORLD, dist.new_group(backend="gloo"))
+    # Rank 1 alone would plan TP 1 (Ulysses 2) on its 0.2 GiB: the ranks plan with the least of their memories.
+    source = ModelSource(preset="toy", dit_precision="bf16", gpu_memory_gb=(0.137, 0.2)[rank],
+                         host_memory_gb=64 + rank)
+    pipe = load_pipeline(source, ctx)
+    planned = pipe.memory_plan
+    torch.save({"mesh": pipe.parallel.mesh, "plan": planned.describe(), "hardware": planned.hardware,
+                "qkv_rows": pipe.dit.blocks[0].attn.qkv_proj.weight.shape[0]}, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ranks_without_tp_take_the_planned_one(tmp_path):
+    """`serve --gpus 2` without --tp on a toy-sized 'GPU' where the fp32 DiT and the VAE's decode do not fit whole
+    on one, but do on two halves: both gloo ranks plan TP 2 (from the least memory of either) and cut the DiT so;
+    --tp pins it, and one the ranks cannot run is refused with the ones they can (test_tensor_parallel.py)."""
+    mp.spawn(_planned_rank, args=(str(tmp_path / "store"), tmp_path), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    assert (ranks[0]["mesh"].tp, ranks[0]["mesh"].ulysses) == (2, 1)
+    assert "fp32 DiT, all on the GPU" in ranks[0]["plan"] and "TP 2 x Ulysses 1" in ranks[0]["plan"]
+    hw = ranks[0]["hardware"]
+    assert (hw.device_bytes, hw.host_bytes) == (int(0.137 * GiB), 64 * GiB)
+    assert ranks[0]["qkv_rows"] == 3 * 256 // 2  # each rank holds half the heads of the toy's q, k and v
+
+
 TOY_REQUEST = GenerateRequest(prompt="a red ball bounces on green grass under a blue sky, humming", seconds=5,
                               steps=3, seed=1)
 
 
+def decoder_calls(pipe) -> list[int]:
+    """The tiles of each call of the pipeline's fast video decoder, from now on."""
+    calls = []
+    pipe.video_vae.fast_decoder().register_forward_hook(lambda module, args, out: calls.append(len(args[0])))
+    return calls
+
+
 def test_the_engine_carries_out_a_streaming_plan_bit_for_bit():
-    """The toy pipeline planned for a 0.08 GiB 'GPU' (the planner on a CPU engine): DiT units and text-encoder
-    layers streamed, the same frames as the pipeline without a plan; a 15 s clip is refused before work."""
+    """The toy pipeline planned for a 0.12 GiB 'GPU' (the planner on a CPU engine): DiT units and text-encoder
+    layers streamed, the video decoded 2 tiles a call (the unplanned engine decodes all 7 windows' tiles in one),
+    the same frames as the pipeline without a plan. A 15 s clip is planned against the loaded plan (the toy's decode,
+    window by window, needs more than its DiT's activations at any length: it fits wherever 5 s does)."""
     ctx = RankContext(0, 1, torch.device("cpu"))
     plain = load_pipeline(ModelSource(preset="toy"), ctx)
-    planned = load_pipeline(ModelSource(preset="toy", dit_precision="bf16", gpu_memory_gb=0.08), ctx)  # as stored
+    planned = load_pipeline(ModelSource(preset="toy", dit_precision="bf16", gpu_memory_gb=0.12), ctx)  # as stored
     plan = planned.memory_plan.plan
     assert plan.streaming and plan.text_encoder_streamed and plan.precision == "fp32"
+    tile = planned.video_vae.fast_decoder().tokens((1, 24, 7, 128 // 16, 224 // 16))  # the toy canvas is one tile
+    assert planned.video_vae.decode_tokens == plan.decode_tokens and plan.decode_tokens // tile == 2
+    assert planned.video_vae.encode_voxels == plan.encode_voxels
     plain.encode_mp4 = planned.encode_mp4 = False
+    plain_calls, planned_calls = decoder_calls(plain), decoder_calls(planned)
     expected, got = plain.generate(TOY_REQUEST), planned.generate(TOY_REQUEST)
+    assert plain_calls == [7] and planned_calls == [2, 2, 2, 1]
     assert torch.equal(expected.frames, got.frames) and torch.equal(expected.audio, got.audio)
     status = planned.describe()
     assert status["streaming"]["max_resident"] <= plan.resident_units
     assert status["text_encoder_streaming"]["max_resident"] <= 2
     assert status["memory_plan"]["plan"] in status["summary"]
-    with pytest.raises(DoesNotFit, match=r"15.1 s \(362 frames\) at 224x128 does not fit .* fits\."):
-        check_job(planned, GenerateRequest(prompt="a long one", seconds=15))
+    longer = check_job(planned, GenerateRequest(prompt="a long one", seconds=15))
+    assert longer.resident_units <= plan.resident_units and longer.decode_tokens == planned.video_vae.decode_tokens
 
 
 def _tensors(engine) -> dict:

@@ -70,7 +70,9 @@ class ModelSource:
     gpu_memory_gb: float | None = None  # plan for this much per GPU (None: a GPU's own; no plan on a CPU)
     host_memory_gb: float | None = None  # plan for this much host memory (None: what the host has available)
     text_encoder_precision: str = "bf16"  # fp8 / int8: its decoder GEMMs stored quantized (engine.models.h3.precision)
-    tp: int = 1  # tensor-parallel degree; the ranks / tp groups run Ulysses (engine/parallel/mesh.py)
+    # Tensor-parallel degree; the ranks / tp groups run Ulysses (engine/parallel/mesh.py). None: the memory
+    # planner's choice (1 without a plan).
+    tp: int | None = None
 
     def describe(self) -> str:
         if self.files:
@@ -103,7 +105,7 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
     from engine.models.h3.pipeline import H3Pipeline  # heavy (torch, diffusers): only inside the engine
     from engine.models.h3.precision import set_precision, set_text_encoder_precision
     from engine.parallel.mesh import Parallel, plan
-    from engine.runtime.placement import apply_plan, hardware, plan_engine
+    from engine.runtime.placement import apply_plan, hardware, held_on_host, plan_engine
 
     planning = source.gpu_memory_gb is not None or ctx.device.type == "cuda"
     load_on = torch.device("cpu") if planning and not source.preset else ctx.device  # a preset is small
@@ -113,14 +115,17 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
         pipe = H3Pipeline.from_files(**dict(source.files), device=load_on, lora_roots=source.lora_roots())
     else:
         pipe = H3Pipeline.from_models(source.models_dir, device=load_on)
-    # The TP and Ulysses groups; ValueError, naming what is possible, for a --tp these ranks cannot run.
-    pipe.parallel = Parallel.build(plan(ctx.world_size, source.tp, pipe.dit.config), ctx.group)
+    # ValueError, naming what is possible, for a --tp these ranks cannot run.
+    mesh = plan(ctx.world_size, source.tp, pipe.dit.config) if source.tp is not None else None
     set_text_encoder_precision(pipe.conditioner, source.text_encoder_precision)
     precision = source.dit_precision
     if planning:
-        planned = plan_engine(pipe, hardware(ctx.device, ctx.world_size, source.gpu_memory_gb,
-                                             source.host_memory_gb), precision, source.resident_blocks,
-                             pipe.parallel.mesh.tp)
+        hw = hardware(ctx.device, ctx.world_size, source.gpu_memory_gb, source.host_memory_gb, held_on_host(pipe),
+                      ctx.control)
+        planned = plan_engine(pipe, hw, precision, source.resident_blocks, source.tp)  # without --tp, its TP
+        mesh = plan(ctx.world_size, planned.plan.tp, pipe.dit.config)
+    pipe.parallel = Parallel.build(mesh or plan(ctx.world_size, 1, pipe.dit.config), ctx.group)  # TP, Ulysses groups
+    if planning:
         pipe.parallel.shard(pipe.dit)  # in host memory: the GPU only ever holds this rank's part
         apply_plan(pipe, planned, ctx.device)
         precision = planned.plan.precision

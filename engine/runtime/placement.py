@@ -8,13 +8,14 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from engine.kernels import capability
 from engine.models.h3 import layout as L
 from engine.models.h3.partitions import host_available_bytes, module_bytes
 from engine.parallel import tensor
-from engine.runtime.planner import (STREAMED_TEXT_LAYERS, GiB, Hardware, ModelSizes, Plan, Request, plan_job,
-                                    plan_memory, request)
+from engine.runtime.planner import (QUANTIZED, STREAMED_TEXT_LAYERS, GiB, Hardware, ModelSizes, Plan, Request,
+                                    VideoVAESizes, plan_job, plan_memory, request)
 from engine.runtime.streaming import dit_units, unit_tensors
 
 
@@ -42,7 +43,23 @@ def pipeline_sizes(pipe) -> ModelSizes:
                       text_encoder_layers=len(text.model.language_model.layers),
                       vae_bytes=pipe.video_vae.served_bytes() + module_bytes(pipe.audio_vae.model),
                       hidden=c.hidden_size, inner=c.inner_dim, ffn=c.ffn_dim, heads=c.num_attention_heads,
-                      stored=stored_precision(dit), tp_degrees=tuple(tensor.tp_degrees(c)))
+                      stored=stored_precision(dit), tp_degrees=tuple(tensor.tp_degrees(c)),
+                      video_vae=video_vae_sizes(pipe.video_vae))
+
+
+def video_vae_sizes(vae) -> VideoVAESizes:
+    """The widths of a video VAE (engine.models.h3.vae.VideoVAE) that set its working memory, and its tiles."""
+    from engine.models.h3.video_vae_fast import DECODE_TOKENS, ENCODE_VOXELS
+
+    model, c = vae.model, vae.model.config
+    width = c.decoder_num_attention_heads * c.decoder_attention_head_dim
+    s, t = model.spatial_compression_ratio, model.temporal_compression_ratio
+    window = model.tokens_chunk_size + model.token_overlap  # latents a decoder clip reads
+    tile = model.tile_sample_min_height * model.tile_sample_min_width  # pixels
+    return VideoVAESizes(width=width, ffn=width * c.decoder_ffn_mult, token_values=c.out_channels * t * s * s,
+                         tile_tokens=window * tile // s**2 + c.decoder_num_register_tokens + 1,
+                         window_frames=window * t, channels=c.block_out_channels[0], tile_voxels=c.clip_length * tile,
+                         max_tokens=DECODE_TOKENS, max_voxels=ENCODE_VOXELS)
 
 
 RELEASE_TEXT_ENCODER = (62 * GiB, 50)  # the released Qwen3-VL text encoder in bf16: bytes, decoder layers
@@ -50,8 +67,8 @@ RELEASE_VAES = int(6.5 * GiB)  # the released video (fp16) and audio (fp32) VAEs
 
 
 def config_sizes(config, text_encoder=RELEASE_TEXT_ENCODER, vae_bytes: int = RELEASE_VAES) -> ModelSizes:
-    """The sizes of a DiT of this config (bf16) without building it: the released model's for benchmarks and
-    the planner's tests."""
+    """The sizes of a DiT of this config (bf16) without building it, beside the released text encoder and VAEs:
+    the released model's for benchmarks and the planner's tests."""
     c = config
     block = c.hidden_size * 3 * c.inner_dim + c.inner_dim * c.hidden_size + 3 * c.hidden_size * c.ffn_dim
     adaln = c.time_embed_dim * 6 * 3 * c.hidden_size
@@ -65,8 +82,12 @@ def config_sizes(config, text_encoder=RELEASE_TEXT_ENCODER, vae_bytes: int = REL
                       tp_degrees=tuple(tensor.tp_degrees(c)))
 
 
-def hardware(device: torch.device, gpus: int, gpu_memory_gb: float | None, host_memory_gb: float | None) -> Hardware:
-    """This engine's memory: `--gpu-memory` or the GPU's own, `--host-memory` or what the host has available."""
+def hardware(device: torch.device, gpus: int, gpu_memory_gb: float | None, host_memory_gb: float | None,
+             held_bytes: int = 0, group=None) -> Hardware:
+    """This engine's memory: `--gpu-memory` or the GPU's own, `--host-memory` or what the host has available plus
+    `held_bytes`, the weights already loaded in host memory (streaming pins them in place of their pageable copy,
+    so they count as room for the plan's pinned weights, not against it). With the ranks' `group` (gloo), the least
+    of every rank's, so that all make the same plan (their TP degree must agree)."""
     if gpu_memory_gb is not None:
         device_bytes = int(gpu_memory_gb * GiB)
     else:
@@ -77,6 +98,13 @@ def hardware(device: torch.device, gpus: int, gpu_memory_gb: float | None, host_
     host = int(host_memory_gb * GiB) if host_memory_gb is not None else host_available_bytes()
     if host is None:  # no /proc/meminfo: the whole RAM
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    elif host_memory_gb is None:
+        host += held_bytes
+    if group is not None:
+        least = torch.tensor([device_bytes, host, *(p in compute for p in QUANTIZED)], dtype=torch.int64)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
+        device_bytes, host = int(least[0]), int(least[1])
+        compute = tuple(p for p, ok in zip(QUANTIZED, least[2:].tolist()) if ok)
     return Hardware(device_bytes, host, gpus, compute)
 
 
@@ -101,9 +129,15 @@ class EnginePlan:
         return self.plan.as_dict()
 
 
-def plan_engine(pipe, hw: Hardware, precision: str, resident: int | None, tp: int = 1) -> EnginePlan:
-    """Plan a pipeline loaded in host memory (not yet sharded, `tp` ways) for the reference request; DoesNotFit says
-    what would fit."""
+def held_on_host(pipe) -> int:
+    """Bytes of the DiT and the text encoder (what a plan may pin) that are in host memory now."""
+    return sum(t.numel() * t.element_size() for model in (pipe.dit, pipe.conditioner.model)
+               for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu")
+
+
+def plan_engine(pipe, hw: Hardware, precision: str, resident: int | None, tp: int | None = 1) -> EnginePlan:
+    """Plan a pipeline loaded in host memory (not yet sharded; `tp` ways, or as the planner chooses when None) for
+    the reference request; DoesNotFit says what would fit."""
     req, sizes = reference_request(pipe.canvas), pipeline_sizes(pipe)
     plan = plan_memory(sizes, hw, req, precision, tp=tp, resident=resident or None,
                        rows_for_frames=lambda f: request(f, req.height, req.width).rows)
@@ -119,7 +153,12 @@ def apply_plan(pipe, planned: EnginePlan, device: torch.device) -> None:
         set_precision(pipe.dit, plan.precision)
     pipe.place(device, plan.resident_units if plan.streaming else 0,
                STREAMED_TEXT_LAYERS if plan.text_encoder_streamed else 0)
+    set_vae_batches(pipe, plan)
     pipe.memory_plan = planned
+
+
+def set_vae_batches(pipe, plan: Plan) -> None:
+    pipe.video_vae.decode_tokens, pipe.video_vae.encode_voxels = plan.decode_tokens, plan.encode_voxels
 
 
 def job_request(pipe, req) -> Request:
@@ -131,8 +170,8 @@ def job_request(pipe, req) -> Request:
 
 
 def check_job(pipe, req) -> Plan | None:
-    """The loaded plan for this generation (its streamed units set), or DoesNotFit before any work; None when
-    the engine does not plan its memory."""
+    """The loaded plan for this generation (its streamed units and VAE batches set), or DoesNotFit before any
+    work; None when the engine does not plan its memory."""
     planned = getattr(pipe, "memory_plan", None)
     if planned is None:
         return None
@@ -141,6 +180,7 @@ def check_job(pipe, req) -> Plan | None:
                     rows_for_frames=lambda f: request(f, shape.height, shape.width).rows)
     if pipe.streamer is not None:
         pipe.streamer.resident = plan.resident_units
+    set_vae_batches(pipe, plan)
     return plan
 
 

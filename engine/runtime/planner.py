@@ -1,14 +1,16 @@
 """The memory planner: from one GPU's memory, the host's, the model's sizes and a request's packed sequence, the
 DiT precision, the tensor-parallel x Ulysses degrees, how many of the DiT's streamed units stay on the GPU (the
-rest wait in pinned host memory, engine/runtime/streaming.py) and where the text encoder lives; said in words.
-A request that cannot fit is refused before work starts, with what would fit.
+rest wait in pinned host memory, engine/runtime/streaming.py), where the text encoder lives and how many tiles the
+video VAE decodes and encodes in one call; said in words. A request that cannot fit is refused before work starts,
+with what would fit.
 
-Arithmetic on byte counts, so every case is a table row in tests/test_planner.py. The estimate
-per GPU is: the DiT's resident weights (its streamed units / TP, K of them when streaming, plus the rest), the
-text encoder (whole, or two layers when streamed), the VAEs, the DiT's activations for the request (a block's
-peak rows of this rank's sequence shard, its Ulysses exchange buffers, the fp32 final layer over the gathered
-sequence) or the decoded frames, whichever is larger (the phases run one after another), plus a margin for the
-CUDA context and the allocator's fragmentation.
+Arithmetic on byte counts, so every case is a table row in tests/test_planner.py. The estimate per GPU is the
+larger of two phases, plus a margin for the CUDA context and the allocator's fragmentation. The denoise: the DiT's
+resident weights (its streamed units / TP, K of them when streaming, plus the rest), the text encoder (whole, or
+two layers when streamed), the VAEs, the DiT's activations for the request (a block's peak rows of this rank's
+sequence shard, its Ulysses exchange buffers, the fp32 final layer over the gathered sequence). The VAE phase
+(decode, and the encode of a source): the same weights, less the streamed units (the streamer evicts them after the
+denoise; a DiT held whole stays), and the VAE's working memory at its batch size, the largest that fits.
 
     plan = plan_memory(Hardware(24 * GiB, 128 * GiB), sizes, rows)
     plan.describe()  # "int8 DiT, 13 of 102 units on the GPU, streaming 33.4 GB/step from host memory; ..."
@@ -28,6 +30,14 @@ PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1}
 QUANTIZED = ("fp8", "int8")  # what `auto` tries after the stored float weights; they change the output slightly
 STREAMED_TEXT_LAYERS = 2  # text-encoder layers on the GPU at once when it is streamed
 MIN_RESIDENT = 2  # a streamed DiT keeps at least the running unit and the one being copied in
+# Copies of one decoded window's fp32 frames alive at the decode's peak (its tiles, their blends, the stitched
+# window, the one before it kept for the cross-fade), and activations of the encoder's full-resolution width per
+# voxel at its peak (a resnet's input, its padded normed input, a convolution's output, cuDNN's workspace). Measured
+# on an H200 (random full-size weights, 5 s at 1344x768 and 768x448): the decode to uint8 host frames peaks 1.9 and
+# 0.64 GiB above its start at one tile a call, 6.2 and 4.9 GiB at 64 k tokens (planned: 2.1, 0.77, 6.4, 5.2);
+# the encode 10.9 and 9.4 GiB at 8 tiles (planned: 11.0, 10.0).
+WINDOW_COPIES = 6
+ENCODER_ACTIVATIONS = 4.5
 
 
 class DoesNotFit(MemoryError):
@@ -40,6 +50,23 @@ class Hardware:
     host_bytes: int  # host memory available to the engine
     gpus: int = 1
     quantized_compute: tuple[str, ...] = ("fp8", "int8")  # precisions this GPU runs as GEMMs (else dequantized)
+
+
+@dataclass(frozen=True)
+class VideoVAESizes:
+    """The video VAE's widths that set its working memory (the release's by default, specs/h3.md §3.1): the decoder,
+    a ViT over tokens of 4 frames x 16 x 16 pixels, and the encoder, convolutions widest at full resolution; the
+    largest tile of each, and the fast path's largest batches (video_vae_fast.DECODE_TOKENS, ENCODE_VOXELS)."""
+
+    width: int = 2048  # the decoder's residual width
+    ffn: int = 8192  # its SwiGLU's inner width
+    token_values: int = 3 * 4 * 16 * 16  # pixel values one token decodes to
+    tile_tokens: int = 7 * 16 * 16 + 5  # a 256-px tile of a 7-latent window, with the registers and the zero token
+    window_frames: int = 28  # frames a 7-latent window decodes to
+    channels: int = 128  # the encoder's full-resolution width
+    tile_voxels: int = 17 * 256 * 256  # a 256-px tile of a 17-frame clip
+    max_tokens: int = 1 << 16
+    max_voxels: int = 8 * 17 * 256 * 256
 
 
 @dataclass(frozen=True)
@@ -58,6 +85,7 @@ class ModelSizes:
     heads: int
     stored: str = "bf16"  # bf16 / fp32 weights, or the quantized file's fp8 / int8 (run as stored)
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)  # legal TP sizes (engine.parallel.tensor.tp_degrees)
+    video_vae: VideoVAESizes = VideoVAESizes()
 
     @property
     def text_layer_bytes(self) -> int:
@@ -105,6 +133,8 @@ class Plan:
     host_bytes: int  # pinned host memory for the streamed weights
     stream_bytes_per_step: int
     dequantized: bool = False  # quantized weights on a GPU without those GEMMs
+    decode_tokens: int = 0  # the video VAE's decoder tokens per call
+    encode_voxels: int = 0  # its encoder's pixels x frames per call
 
     @property
     def streaming(self) -> bool:
@@ -120,6 +150,8 @@ class Plan:
         parts = [dit, "text encoder streamed" if self.text_encoder_streamed else "text encoder on the GPU"]
         if self.tp * self.ulysses > 1:
             parts.append(f"TP {self.tp} x Ulysses {self.ulysses}")
+        parts.append(f"VAE decode {self.decode_tokens / 1024:.0f} k tokens, encode {self.encode_voxels / 1e6:.1f} M "
+                     f"voxels a batch")
         parts.append(f"~{size(self.device_bytes)} of {size(self.budget_bytes)} per GPU"
                      + (f", {size(self.host_bytes)} pinned host memory" if self.host_bytes else ""))
         return "; ".join(parts)
@@ -129,7 +161,8 @@ class Plan:
                 "resident_units": self.resident_units, "units": self.units,
                 "text_encoder_streamed": self.text_encoder_streamed, "device_gib": round(self.device_bytes / GiB, 2),
                 "budget_gib": round(self.budget_bytes / GiB, 2), "host_gib": round(self.host_bytes / GiB, 2),
-                "stream_gb_per_step": round(self.stream_bytes_per_step / 1e9, 2)}
+                "stream_gb_per_step": round(self.stream_bytes_per_step / 1e9, 2), "decode_tokens": self.decode_tokens,
+                "encode_voxels": self.encode_voxels}
 
 
 def activation_bytes(m: ModelSizes, req: Request, tp: int, ulysses: int) -> int:
@@ -142,9 +175,37 @@ def activation_bytes(m: ModelSizes, req: Request, tp: int, ulysses: int) -> int:
     return rows * max(attention, mlp) * 2 + exchange + req.rows * m.hidden * (2 + 4)
 
 
-def frames_bytes(req: Request) -> int:
-    """The decode's output: a float copy of the frames and the uint8 result."""
-    return req.frames * req.height * req.width * 3 * (4 + 1)
+def decode_bytes(v: VideoVAESizes, req: Request, tokens: int) -> int:
+    """The video decode's working memory at `tokens` decoder tokens a call: per token a block's peak (the fp32
+    residual, its normed bf16 copy, the SwiGLU's gate and value and their product in bf16) and the last call's fp32
+    pixels (its tiles wait to be stitched while the next call runs); copies of one window's fp32 frames (the decode
+    goes window by window to uint8 host frames, so the clip's length does not count)."""
+    return tokens * _decode_token_bytes(v) + WINDOW_COPIES * 4 * 3 * v.window_frames * req.height * req.width
+
+
+def _decode_token_bytes(v: VideoVAESizes) -> int:
+    return (4 + 2) * v.width + (4 + 2) * v.ffn + 4 * v.token_values
+
+
+def encode_bytes(v: VideoVAESizes, req: Request, voxels: int) -> int:
+    """The video encode's working memory at `voxels` pixels x frames a call: its full-resolution activations in
+    bf16, and the source (of the request's shape) in fp32."""
+    return voxels * _encode_voxel_bytes(v) + 4 * 3 * req.frames * req.height * req.width
+
+
+def _encode_voxel_bytes(v: VideoVAESizes) -> int:
+    return int(ENCODER_ACTIVATIONS * 2 * v.channels)
+
+
+def vae_batches(v: VideoVAESizes, req: Request, room: int) -> tuple[int, int] | None:
+    """The most decoder tokens and encoder voxels a call, at most the fast path's, whose working memory fits in
+    `room`; None when one decoder tile does not fit. The encoder gets at least one tile: a generation encodes no
+    video, so its fit does not hang on an encode (an edit's source is encoded at this batch)."""
+    tokens = min(v.max_tokens, (room - decode_bytes(v, req, 0)) // _decode_token_bytes(v))
+    if tokens < v.tile_tokens:
+        return None
+    voxels = min(v.max_voxels, max(v.tile_voxels, (room - encode_bytes(v, req, 0)) // _encode_voxel_bytes(v)))
+    return tokens, voxels
 
 
 def _margin(device_bytes: int) -> int:
@@ -160,39 +221,56 @@ def fit(m: ModelSizes, hw: Hardware, req: Request, precision: str, tp: int, resi
     """The plan at this precision and TP degree with the most units on the GPU (at most `resident` when given):
     the text encoder stays on the GPU when the whole DiT fits beside it, else it is streamed (it runs once a job,
     the DiT every step; `text_streamed` pins that). None when even the fewest units do not fit."""
-    ulysses = hw.gpus // tp
+    ulysses = ulysses_degree(m, hw.gpus, tp)
     budget = hw.device_bytes - _margin(hw.device_bytes)
     unit_bytes = m.unit_bytes(precision, tp)
-    working = max(activation_bytes(m, req, tp, ulysses), frames_bytes(req))  # the phases run one after another
-    layer = m.text_layer_bytes
+    activations = activation_bytes(m, req, tp, ulysses)
+    one_tile = decode_bytes(m.video_vae, req, m.video_vae.tile_tokens)
     cap = m.units if resident is None else min(resident, m.units)
     for streamed in (False, True) if text_streamed is None else (text_streamed,):
+        held = m.dit_other_bytes + m.vae_bytes + (0 if streamed else m.text_encoder_bytes)
         # A streamed text encoder holds its layers only while it encodes, before the DiT's activations exist.
-        fixed = m.dit_other_bytes + m.vae_bytes + (max(working, STREAMED_TEXT_LAYERS * layer) if streamed
-                                                   else working + m.text_encoder_bytes)
-        room = budget - fixed
+        denoise = held + max(activations, STREAMED_TEXT_LAYERS * m.text_layer_bytes if streamed else 0)
+        room = budget - denoise
         most = min(cap, room // unit_bytes if room > 0 else 0)
+        if most == m.units and held + most * unit_bytes + one_tile > budget:
+            most -= 1  # a DiT held whole stays on the GPU while the VAE decodes: streamed, it leaves
         if most < min(MIN_RESIDENT, m.units) or (text_streamed is None and not streamed and most < cap):
             continue
         streaming = most < m.units
+        vae_held = held + (0 if streaming else most * unit_bytes)
+        batches = vae_batches(m.video_vae, req, budget - vae_held)
+        if batches is None:
+            continue
+        tokens, voxels = batches
         host = (unit_bytes * m.units if streaming else 0) + (m.text_encoder_bytes if streamed else 0)
-        return Plan(precision, tp, ulysses, int(most), m.units, streamed,
-                    fixed + int(most) * unit_bytes, hw.device_bytes, host,
+        peak = max(denoise + most * unit_bytes, vae_held + decode_bytes(m.video_vae, req, tokens))
+        return Plan(precision, tp, ulysses, int(most), m.units, streamed, peak, hw.device_bytes, host,
                     unit_bytes * (m.units - max(0, int(most) - 2)) if streaming else 0,  # all but the kept units
-                    dequantized=precision in QUANTIZED and precision not in hw.quantized_compute)
+                    dequantized=precision in QUANTIZED and precision not in hw.quantized_compute,
+                    decode_tokens=tokens, encode_voxels=voxels)
     return None
 
 
 def minimum_bytes(m: ModelSizes, req: Request, precision: str, tp: int, gpus: int) -> int:
-    """The least a GPU needs for this request: the fewest units resident, the text encoder streamed."""
-    layer = m.text_layer_bytes
-    working = max(activation_bytes(m, req, tp, gpus // tp), frames_bytes(req), STREAMED_TEXT_LAYERS * layer)
-    return m.dit_other_bytes + m.vae_bytes + working + min(MIN_RESIDENT, m.units) * m.unit_bytes(precision, tp)
+    """The least a GPU needs for this request: the fewest units resident, the text encoder streamed, the VAE
+    decoding one tile a call."""
+    denoise = max(activation_bytes(m, req, tp, ulysses_degree(m, gpus, tp)), STREAMED_TEXT_LAYERS * m.text_layer_bytes)
+    denoise += min(MIN_RESIDENT, m.units) * m.unit_bytes(precision, tp)
+    vae = decode_bytes(m.video_vae, req, m.video_vae.tile_tokens)
+    return m.dit_other_bytes + m.vae_bytes + max(denoise, vae)
+
+
+def ulysses_degree(m: ModelSizes, gpus: int, tp: int) -> int:
+    """The Ulysses degree of `gpus` GPUs at TP `tp`: the rest, when it divides the heads left per rank; else 1, every
+    GPU running the whole sequence (engine.parallel.mesh.meshes)."""
+    return gpus // tp if (m.heads // tp) % (gpus // tp) == 0 else 1
 
 
 def legal_tp(m: ModelSizes, gpus: int) -> list[int]:
-    """TP degrees for `gpus` GPUs: legal for the model, dividing the GPUs, the rest Ulysses over whole heads."""
-    return [t for t in m.tp_degrees if gpus % t == 0 and (m.heads // t) % (gpus // t) == 0]
+    """TP degrees for `gpus` GPUs: legal for the model, dividing the GPUs, the rest Ulysses over whole heads (TP 1
+    always runs, replicated when the heads do not split)."""
+    return [t for t in m.tp_degrees if gpus % t == 0 and (t == 1 or (m.heads // t) % (gpus // t) == 0)]
 
 
 def precisions(m: ModelSizes, precision: str) -> tuple[str, ...]:
@@ -226,10 +304,12 @@ def plan_memory(m: ModelSizes, hw: Hardware, req: Request, precision: str = "aut
 
 def _check_host(plan: Plan, hw: Hardware, req: Request) -> Plan:
     if plan.host_bytes > hw.host_bytes - HOST_RESERVE:
+        smaller = ["--dit-precision int8"] if plan.precision not in QUANTIZED else []
+        smaller += ["--text-encoder-precision int8"] if plan.text_encoder_streamed else []
         raise DoesNotFit(f"{req.words()} with the {plan.precision} DiT streamed needs {size(plan.host_bytes)} "
                          f"of pinned host memory and this machine has {size(hw.host_bytes)} available "
-                         f"({HOST_RESERVE / GiB:.0f} GiB kept for the rest). Use a quantized DiT "
-                         f"(--dit-precision int8) or more GPUs.")
+                         f"({HOST_RESERVE / GiB:.0f} GiB kept for the rest). Use "
+                         + " or ".join([*smaller, "more GPUs"]) + ".")
     return plan
 
 

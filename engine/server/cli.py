@@ -9,7 +9,7 @@
 
 With --gpus N (> 1) this process becomes torchrun's agent and starts N ranks running this same command line;
 rank 0 serves, the others follow (engine.runtime). With --tp T the DiT's weights are split over groups of T
-GPUs and the N/T groups split the sequence (engine/parallel/mesh.py). The token file (default $H3FORGE_TOKEN_FILE or
+GPUs and the N/T groups split the sequence (engine/parallel/mesh.py); without it the memory planner picks T. The token file (default $H3FORGE_TOKEN_FILE or
 ~/.h3forge/token) is created with a random token and mode 0600 on first start; clients on the same host read it.
 """
 
@@ -56,10 +56,10 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=protocol.DEFAULT_PORT)
     p.add_argument("--gpus", type=int, default=1, help="ranks per node, one GPU each (CPU ranks with --device cpu)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the engine (run the same command on each)")
-    p.add_argument("--tp", type=int, default=1, metavar="T",
+    p.add_argument("--tp", type=int, metavar="T",
                    help="tensor parallelism: T consecutive GPUs share one copy of the DiT's weights (1, 2, 4 or 8 for "
                         "MiniMax-H3; T must divide the GPUs), the GPUs/T groups split the sequence (Ulysses); "
-                        "default 1: Ulysses over all GPUs")
+                        "default: the memory planner's choice (the smallest T whose plan fits best; 1 without a GPU)")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torchrun rendezvous endpoint, for --nnodes > 1")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: CUDA when a GPU is visible (NCCL between ranks), else CPU (gloo)")
@@ -169,7 +169,7 @@ def _env_float(name: str) -> float | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    if args.gpus < 1 or args.nnodes < 1 or args.tp < 1:
+    if args.gpus < 1 or args.nnodes < 1 or (args.tp is not None and args.tp < 1):
         raise SystemExit("--gpus, --nnodes and --tp must be at least 1.")
     if (args.gpus > 1 or args.nnodes > 1) and not args.rank_worker:
         return launch_ranks(serve_argv(), args.gpus, args.nnodes, args.rdzv_endpoint)

@@ -29,7 +29,8 @@ from torch import nn
 from engine.io.convert import to_uint8_frames
 from engine.models.h3.checkpoint import deinterleave_qkv, interleave_qkv, swap_halves
 from engine.models.h3.layout import CLIP_LENGTH, LATENTS_PER_CHUNK, latent_frames
-from engine.models.h3.video_vae_fast import CausalEncoder, ViTDecoder, decode_clips, encode_video
+from engine.models.h3.video_vae_fast import (DECODE_TOKENS, ENCODE_VOXELS, CausalEncoder, ViTDecoder, decode_clips,
+                                             encode_video)
 
 # Spec §3.1, exactly as published.
 VIDEO_LATENTS_MEAN = (
@@ -294,7 +295,9 @@ class VideoVAE(nn.Module):
     `reference`: run diffusers' loops (the oracle) instead of the fast path. The fast path's networks are packed
     from `model` on first use, and again when the device, a precision below or `model`'s weights (trained in place)
     change: `decode_dtype` and `encode_dtype` are their CUDA compute dtypes (the CPU computes in fp32),
-    `decode_fp8` turns the decoder blocks' GEMMs to float8 (with bf16 activations).
+    `decode_fp8` turns the decoder blocks' GEMMs to float8 (with bf16 activations). `decode_tokens` and
+    `encode_voxels` bound the fast path's batches (decoder tokens, encoder pixels x frames per call): the memory plan
+    sets them (engine/runtime/planner.py); they do not change the output.
     """
 
     def __init__(self, model: AutoencoderKLMiniMaxH3, latents_mean=VIDEO_LATENTS_MEAN,
@@ -305,6 +308,7 @@ class VideoVAE(nn.Module):
         # bf16: 3.4 s and 69 dB against diffusers fp32 for 124 frames 1344x768 on an H200, fp16 3.7 s and 85 dB
         # (benchmarks/results/h3_vae_h200_run1.json)
         self.decode_dtype, self.encode_dtype, self.decode_fp8 = torch.bfloat16, torch.bfloat16, False
+        self.decode_tokens, self.encode_voxels = DECODE_TOKENS, ENCODE_VOXELS
         self._fast: dict[str, tuple[tuple, nn.Module]] = {}  # kind -> (key, network); not submodules
         _check_stats(latents_mean, latents_std, model.config.latent_channels, "video VAE")
         self.model = model.eval()
@@ -393,7 +397,7 @@ class VideoVAE(nn.Module):
         if height % s or width % s:
             raise ValueError(f"frame size {width}x{height} must be a multiple of {s}")
         x = frames.to(self.device).permute(3, 0, 1, 2).unsqueeze(0).float().div_(255.0)
-        x = (x - self.pixel_mean) / self.pixel_std
+        x.sub_(self.pixel_mean).div_(self.pixel_std)  # in place: a 5 s 1344x768 source is 1.4 GiB in fp32
         posterior = DiagonalGaussianDistribution(self._encoded_clips(x, on_chunk or (lambda: None)))
         z = posterior.sample(generator=torch.Generator().manual_seed(generator_seed))
         z = z.to(torch.float16).float()
@@ -403,7 +407,7 @@ class VideoVAE(nn.Module):
         """diffusers' `_encode` (clips of 17 frames, the last padded by repetition, `token_drop` trailing latents
         dropped) of pixels [B, 3, F, H, W], with `on_chunk()` after every clip: the fast path, or diffusers' loop."""
         if not self.reference:
-            return encode_video(self.fast_encoder(), self.model, x, on_chunk)
+            return encode_video(self.fast_encoder(), self.model, x, on_chunk, self.encode_voxels)
         model, clip = self.model, self.model.config.clip_length
         if x.shape[2] == 1:
             moments = model._encode_clip(x)
@@ -499,7 +503,7 @@ class VideoVAE(nn.Module):
         """Each latent window's tiled decode [1, 3, 4t, H, W]: the fast path, or diffusers' `_decode_clip` (fp16
         autocast over the cast weights on CUDA, the released recipe)."""
         if not self.reference:
-            yield from decode_clips(self.fast_decoder(), self.model, windows)
+            yield from decode_clips(self.fast_decoder(), self.model, windows, self.decode_tokens)
             return
         cuda = self.device.type == "cuda"
         if cuda:
