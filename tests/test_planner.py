@@ -5,6 +5,7 @@ planned TP, a request that cannot fit is refused before work, and an out-of-memo
 the plan in its message, holds no memory after, and the next job runs."""
 
 import asyncio
+from dataclasses import replace
 import json
 import urllib.request
 
@@ -35,28 +36,36 @@ def rows(frames: int) -> int:
     return request(frames, 768, 1344).rows
 
 
-# (GiB per GPU, GPUs, seconds) -> (precision, TP, units on the GPU (None: all), text encoder streamed)
+# (model, GiB per GPU, GPUs, seconds) -> (precision, TP, units on the GPU (None: all), text encoder streamed).
+# "release": the official bf16 DiT (quantized online: its AdaLN projections, 26 GB, stay bf16, so int8 is 43.6 GB);
+# "pruned": the Comfy-Org pruned file most 24-48 GB cards load (curve AdaLN: int8 19.5 GB, bf16 37.4 GB).
 TABLE = {
-    (141, 1, 5): ("bf16", 1, None, False),  # an H200 holds everything, the text encoder too
-    (141, 1, 15): ("bf16", 1, None, True),
-    (80, 1, 5): ("bf16", 1, None, True),  # A100 / H100 80 GB: bf16 without streaming
-    (80, 1, 15): ("fp8", 1, None, True),
-    (48, 1, 5): ("fp8", 1, None, True),  # L40S / RTX 6000 Ada
-    (32, 1, 5): ("int8", 1, 59, True),  # RTX 5090: int8 streamed
-    (24, 1, 5): ("int8", 1, 33, True),  # RTX 4090
-    (24, 2, 5): ("int8", 2, 79, True),  # 2 x 4090: TP 2 keeps more units on each
-    (80, 4, 15): ("bf16", 1, None, True),  # 4 x A100-80: Ulysses 4 shares the activations
-    (48, 4, 5): ("bf16", 2, None, True),  # 4 x L40S: TP 2 holds the bf16 DiT, Ulysses 2 over the pairs
+    ("release", 141, 1, 5): ("bf16", 1, None, False),  # an H200 holds everything, the text encoder too
+    ("release", 141, 1, 15): ("bf16", 1, None, True),
+    ("release", 80, 1, 5): ("bf16", 1, None, True),  # A100 / H100 80 GB: bf16 without streaming
+    ("release", 80, 1, 15): ("fp8", 1, None, True),
+    ("release", 48, 1, 5): ("int8", 1, 74, True),  # L40S / RTX 6000 Ada: the bf16 AdaLN keeps fp8 off the card
+    ("release", 32, 1, 5): ("int8", 1, 36, True),  # RTX 5090: int8 streamed
+    ("release", 24, 1, 5): ("int8", 1, 20, True),  # RTX 4090
+    ("release", 24, 2, 5): ("int8", 2, 48, True),  # 2 x 4090: TP 2 keeps more units on each
+    ("release", 80, 4, 15): ("bf16", 1, None, True),  # 4 x A100-80: Ulysses 4 shares the activations
+    ("release", 48, 4, 5): ("bf16", 2, None, True),  # 4 x L40S: TP 2 holds the bf16 DiT, Ulysses 2 over the pairs
+    ("pruned", 48, 1, 5): ("fp8", 1, None, True),
+    ("pruned", 32, 1, 5): ("int8", 1, 48, True),
+    ("pruned", 24, 1, 5): ("int8", 1, 27, True),
+    ("pruned", 24, 2, 5): ("fp8", 2, None, True),
 }
+MODELS = {"release": RELEASE, "pruned": config_sizes(replace(FULL, adaln_curve_grid=1025, time_embed_dim=8))}
 
 
-@pytest.mark.parametrize("case", TABLE, ids=lambda k: f"{k[0]}GiBx{k[1]}-{k[2]}s")
+@pytest.mark.parametrize("case", TABLE, ids=lambda k: f"{k[0]}-{k[1]}GiBx{k[2]}-{k[3]}s")
 def test_the_plans_for_a_table_of_gpus_and_clips(case):
-    gib, gpus, seconds = case
-    plan = plan_memory(RELEASE, Hardware(gib * GiB, 256 * GiB, gpus), clip(seconds))
+    model, gib, gpus, seconds = case
+    sizes = MODELS[model]
+    plan = plan_memory(sizes, Hardware(gib * GiB, 256 * GiB, gpus), clip(seconds))
     precision, tp, resident, text_streamed = TABLE[case]
     assert (plan.precision, plan.tp, plan.ulysses) == (precision, tp, gpus // tp)
-    assert plan.resident_units == (resident or RELEASE.units) and plan.streaming == (resident is not None)
+    assert plan.resident_units == (resident or sizes.units) and plan.streaming == (resident is not None)
     assert plan.text_encoder_streamed == text_streamed
     assert plan.device_bytes <= gib * GiB
     words = plan.describe()
@@ -66,6 +75,20 @@ def test_the_plans_for_a_table_of_gpus_and_clips(case):
         assert plan.host_bytes >= plan.stream_bytes_per_step
     assert ("text encoder streamed" in words) == text_streamed
     assert (f"TP {tp} x Ulysses {gpus // tp}" in words) == (gpus > 1)
+
+
+def test_resident_units_are_the_largest_at_their_stored_size():
+    """What k resident units hold is the k largest units' bytes at the precision (the streamer keeps the largest):
+    online int8 quantizes the blocks' GEMMs only, so the release's bf16 AdaLN projections (0.52 GB each) and
+    refiner blocks (0.77 GB) outweigh an int8 block (0.39 GB). Before, every unit counted as the mean at one byte
+    a parameter, and a 24 GiB plan for int8 promised 33 units where 20 fit."""
+    int8 = RELEASE.resident_bytes("int8")
+    assert len(int8) == RELEASE.units + 1 and int8[0] == 0
+    assert int8[2] == 2 * RELEASE.unit_other_bytes[0]  # the two refiner blocks
+    assert int8[4] - int8[2] == 2 * RELEASE.unit_other_bytes[2]  # then AdaLN projections
+    assert int8[-1] - int8[-51] == 50 * RELEASE.unit_gemm_params[-1]  # the int8 blocks last
+    assert RELEASE.resident_bytes("bf16")[-1] == 2 * sum(RELEASE.unit_gemm_params) + sum(RELEASE.unit_other_bytes)
+    assert RELEASE.resident_bytes("int8", tp=2)[-1] == pytest.approx(int8[-1] / 2, abs=RELEASE.units)
 
 
 def test_pinned_choices_are_kept():
@@ -99,7 +122,7 @@ def test_the_vae_batches_fit_beside_what_stays_on_the_gpu():
     assert (h200.as_dict()["decode_tokens"], h200.as_dict()["encode_voxels"]) == (57286, 4139394)
     budget = 140 * GiB - (1 * GiB + int(0.02 * 140 * GiB))  # less the margin
     whole = (RELEASE.dit_other_bytes + RELEASE.vae_bytes + RELEASE.text_encoder_bytes
-             + RELEASE.units * RELEASE.unit_bytes("bf16"))  # what stays on the GPU while the VAE decodes
+             + RELEASE.resident_bytes("bf16")[-1])  # what stays on the GPU while the VAE decodes
     v = RELEASE.video_vae
     assert whole + decode_bytes(v, clip(5), h200.decode_tokens) <= budget
     assert whole + decode_bytes(v, clip(5), h200.decode_tokens + 1) > budget
@@ -114,7 +137,7 @@ def test_a_clip_that_cannot_fit_is_refused_with_what_would():
         plan_memory(RELEASE, Hardware(24 * GiB, 256 * GiB), clip(15), rows_for_frames=rows)
     message = str(err.value)
     assert message.startswith("15.1 s (362 frames) at 1344x768 does not fit this engine's GPU (24.0 GiB)")
-    assert "14.4 s (345 frames) at 1344x768 fits." in message and "needs 2 GPUs." in message
+    assert "13.7 s (328 frames) at 1344x768 fits." in message and "needs 2 GPUs." in message
     with pytest.raises(DoesNotFit) as err:  # bf16 pinned on a card whose working memory alone is too much
         plan_memory(RELEASE, Hardware(16 * GiB, 256 * GiB), clip(10), precision="bf16", rows_for_frames=rows)
     assert "fits." in str(err.value) and "--dit-precision int8" not in str(err.value)
@@ -141,7 +164,7 @@ def test_weights_already_in_host_memory_count_as_room_for_the_pinned_ones(monkey
 
     monkeypatch.setattr(placement, "host_available_bytes", lambda: 30 * GiB)  # after a 90 GiB load on 128 GiB
     cpu = torch.device("cpu")
-    with pytest.raises(DoesNotFit, match="needs 92.8 GiB of pinned host memory .* --text-encoder-precision int8"):
+    with pytest.raises(DoesNotFit, match="needs 105.6 GiB of pinned host memory .* --text-encoder-precision int8"):
         plan_memory(RELEASE, placement.hardware(cpu, 1, 24, None), clip(5))
     hw = placement.hardware(cpu, 1, 24, None, held_bytes=90 * GiB)
     assert hw.host_bytes == 120 * GiB

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from engine.kernels import capability
 from engine.models.h3 import layout as L
@@ -32,13 +33,20 @@ def stored_precision(dit) -> str:
 
 def pipeline_sizes(pipe) -> ModelSizes:
     """The byte counts the planner needs, read off the loaded models."""
+    from engine.models.h3.precision import block_gemms
+
     dit, c = pipe.dit, pipe.dit.config
     units = dit_units(dit)
-    unit_params = sum(getattr(owner, name).numel() for module, exclude in units
-                      for owner, name, is_param in unit_tensors(module, exclude) if is_param)
+    float_gemms = {id(layer.weight) for layer in map(dit.get_submodule, block_gemms(dit)) if type(layer) is nn.Linear}
+    gemm_params, other_bytes = [], []
+    for module, exclude in units:
+        tensors = [getattr(owner, name) for owner, name, _ in unit_tensors(module, exclude)]
+        gemm_params.append(sum(t.numel() for t in tensors if id(t) in float_gemms))
+        other_bytes.append(_bytes(t for t in tensors if id(t) not in float_gemms))
     other = [getattr(owner, name) for owner, name, _ in unit_tensors(dit, tuple(m for m, _ in units))]
     text = pipe.conditioner.model
-    return ModelSizes(unit_params=unit_params, units=len(units), dit_other_bytes=_bytes(other),
+    return ModelSizes(unit_gemm_params=tuple(gemm_params), unit_other_bytes=tuple(other_bytes),
+                      dit_other_bytes=_bytes(other),
                       text_encoder_bytes=module_bytes(text),
                       text_encoder_layers=len(text.model.language_model.layers),
                       vae_bytes=pipe.video_vae.served_bytes() + module_bytes(pipe.audio_vae.model),
@@ -75,8 +83,11 @@ def config_sizes(config, text_encoder=RELEASE_TEXT_ENCODER, vae_bytes: int = REL
     other = (c.video_patch_dim + c.audio_in_channels + c.text_dim + c.freq_dim) * c.hidden_size + (
         c.time_embed_hidden_dim * (c.freq_dim + c.time_embed_dim) + c.time_embed_dim * 2 * c.hidden_size
         + c.hidden_size * (c.video_patch_dim + c.audio_in_channels))
-    return ModelSizes(unit_params=(c.num_layers + c.num_refiner_layers) * block + c.num_layers * adaln,
-                      units=2 * c.num_layers + c.num_refiner_layers, dit_other_bytes=4 * other,
+    # dit_units' order: the refiner blocks and the AdaLN projections stay bf16 (online quantization and the
+    # Comfy-Org files alike), then the blocks, whose four GEMMs a precision stores.
+    gemms = (0,) * (c.num_refiner_layers + c.num_layers) + (block,) * c.num_layers
+    others = (2 * block,) * c.num_refiner_layers + (2 * adaln,) * c.num_layers + (0,) * c.num_layers
+    return ModelSizes(unit_gemm_params=gemms, unit_other_bytes=others, dit_other_bytes=4 * other,
                       text_encoder_bytes=text_encoder[0], text_encoder_layers=text_encoder[1], vae_bytes=vae_bytes,
                       hidden=c.hidden_size, inner=c.inner_dim, ffn=c.ffn_dim, heads=c.num_attention_heads,
                       tp_degrees=tuple(tensor.tp_degrees(c)))

@@ -18,7 +18,9 @@ denoise; a DiT held whole stays), and the VAE's working memory at its batch size
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 from engine.models.h3 import layout as L
 
@@ -73,8 +75,11 @@ class VideoVAESizes:
 class ModelSizes:
     """Byte counts of the loaded (or about to be loaded) models, and the DiT's widths."""
 
-    unit_params: int  # parameters of the DiT's streamed units' GEMMs (blocks, AdaLN projections, refiner)
-    units: int  # how many streamed units (engine.runtime.streaming.dit_units)
+    # Per streamed unit (engine.runtime.streaming.dit_units): the parameters of its GEMM weights that a precision
+    # quantizes (a block's four GEMMs while they are float), and the bytes of the rest as stored (AdaLN projections
+    # and refiner blocks stay in their float dtype, so an int8 unit is not half a bf16 one).
+    unit_gemm_params: tuple[int, ...]
+    unit_other_bytes: tuple[int, ...]
     dit_other_bytes: int  # the rest of the DiT (patch projections, time embedder, final layer, norms)
     text_encoder_bytes: int
     text_encoder_layers: int
@@ -91,9 +96,16 @@ class ModelSizes:
     def text_layer_bytes(self) -> int:
         return -(-self.text_encoder_bytes // max(1, self.text_encoder_layers))
 
-    def unit_bytes(self, precision: str, tp: int = 1) -> int:
-        """One streamed unit's bytes on one rank (the units' mean)."""
-        return -(-self.unit_params * PRECISION_BYTES[precision] // (self.units * tp))
+    @property
+    def units(self) -> int:
+        return len(self.unit_gemm_params)
+
+    def resident_bytes(self, precision: str, tp: int = 1) -> list[int]:
+        """[k] = the bytes on one rank of the k largest streamed units at `precision`: what k resident units hold
+        (the streamer keeps the k - 2 largest; the others take turns in two places, at most the next two)."""
+        sizes = sorted((-(-(g * PRECISION_BYTES[precision] + o) // tp)
+                        for g, o in zip(self.unit_gemm_params, self.unit_other_bytes)), reverse=True)
+        return list(accumulate(sizes, initial=0))
 
 
 @dataclass(frozen=True)
@@ -223,7 +235,7 @@ def fit(m: ModelSizes, hw: Hardware, req: Request, precision: str, tp: int, resi
     the DiT every step; `text_streamed` pins that). None when even the fewest units do not fit."""
     ulysses = ulysses_degree(m, hw.gpus, tp)
     budget = hw.device_bytes - _margin(hw.device_bytes)
-    unit_bytes = m.unit_bytes(precision, tp)
+    held_units = m.resident_bytes(precision, tp)
     activations = activation_bytes(m, req, tp, ulysses)
     one_tile = decode_bytes(m.video_vae, req, m.video_vae.tile_tokens)
     cap = m.units if resident is None else min(resident, m.units)
@@ -232,21 +244,21 @@ def fit(m: ModelSizes, hw: Hardware, req: Request, precision: str, tp: int, resi
         # A streamed text encoder holds its layers only while it encodes, before the DiT's activations exist.
         denoise = held + max(activations, STREAMED_TEXT_LAYERS * m.text_layer_bytes if streamed else 0)
         room = budget - denoise
-        most = min(cap, room // unit_bytes if room > 0 else 0)
-        if most == m.units and held + most * unit_bytes + one_tile > budget:
+        most = min(cap, bisect_right(held_units, room) - 1)
+        if most == m.units and held + held_units[most] + one_tile > budget:
             most -= 1  # a DiT held whole stays on the GPU while the VAE decodes: streamed, it leaves
         if most < min(MIN_RESIDENT, m.units) or (text_streamed is None and not streamed and most < cap):
             continue
         streaming = most < m.units
-        vae_held = held + (0 if streaming else most * unit_bytes)
+        vae_held = held + (0 if streaming else held_units[most])
         batches = vae_batches(m.video_vae, req, budget - vae_held)
         if batches is None:
             continue
         tokens, voxels = batches
-        host = (unit_bytes * m.units if streaming else 0) + (m.text_encoder_bytes if streamed else 0)
-        peak = max(denoise + most * unit_bytes, vae_held + decode_bytes(m.video_vae, req, tokens))
+        host = (held_units[-1] if streaming else 0) + (m.text_encoder_bytes if streamed else 0)
+        peak = max(denoise + held_units[most], vae_held + decode_bytes(m.video_vae, req, tokens))
         return Plan(precision, tp, ulysses, int(most), m.units, streamed, peak, hw.device_bytes, host,
-                    unit_bytes * (m.units - max(0, int(most) - 2)) if streaming else 0,  # all but the kept units
+                    held_units[-1] - held_units[max(0, most - 2)] if streaming else 0,  # all but the kept units
                     dequantized=precision in QUANTIZED and precision not in hw.quantized_compute,
                     decode_tokens=tokens, encode_voxels=voxels)
     return None
@@ -256,7 +268,7 @@ def minimum_bytes(m: ModelSizes, req: Request, precision: str, tp: int, gpus: in
     """The least a GPU needs for this request: the fewest units resident, the text encoder streamed, the VAE
     decoding one tile a call."""
     denoise = max(activation_bytes(m, req, tp, ulysses_degree(m, gpus, tp)), STREAMED_TEXT_LAYERS * m.text_layer_bytes)
-    denoise += min(MIN_RESIDENT, m.units) * m.unit_bytes(precision, tp)
+    denoise += m.resident_bytes(precision, tp)[min(MIN_RESIDENT, m.units)]
     vae = decode_bytes(m.video_vae, req, m.video_vae.tile_tokens)
     return m.dit_other_bytes + m.vae_bytes + max(denoise, vae)
 
