@@ -30,7 +30,7 @@ from engine.models.h3.request import Source  # noqa: E402
 from engine.models.seedvr2.pipeline import SeedVR2Pipeline  # noqa: E402
 from training.captions import caption  # noqa: E402
 from training.guidance import GuidedDiT  # noqa: E402
-from training.quality import psnr, ssim  # noqa: E402
+from training.quality import delta_e76, mean_colour_lab, psnr, ssim  # noqa: E402
 from training.scoring import score_clip  # noqa: E402
 from training.task_checks import (box_masks, extension_checks, removal_checks, repaint_checks,  # noqa: E402
                                   replacement_checks)
@@ -128,7 +128,7 @@ def upscale_rows(args, width: int, height: int) -> dict:
     if not args.upscales:
         return {}
     sr = SeedVR2Pipeline.from_preset("toy", device=args.device)
-    rng, ours, bicubic = np.random.default_rng(1), [], []
+    rng, ours, bicubic, drift = np.random.default_rng(1), [], [], []
     for i in range(args.upscales):
         hr = render(sample_scene(EVAL_SEED + 500 + i, width, height), width, height, 1.0).frames
         lq = degrade(hr, rng)
@@ -136,8 +136,10 @@ def upscale_rows(args, width: int, height: int) -> dict:
         up = ((to_model(lq, (height, width), "cpu").permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255)
         ours.append(psnr(out, hr))
         bicubic.append(psnr(up.byte().numpy(), hr))
+        drift.append(float(delta_e76(mean_colour_lab(out), mean_colour_lab(hr))))  # the colour fix's criterion
     return {"seedvr2_psnr": float(np.mean(ours)), "bicubic_psnr": float(np.mean(bicubic)),
-            "seedvr2_gain_db": float(np.mean(ours) - np.mean(bicubic))}
+            "seedvr2_gain_db": float(np.mean(ours) - np.mean(bicubic)),
+            "seedvr2_mean_colour_delta_e_max": float(np.max(drift))}
 
 
 def vsa_rows(pipe: H3Pipeline, args, width: int, height: int) -> dict:

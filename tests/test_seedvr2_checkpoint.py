@@ -14,9 +14,10 @@ from engine.models.seedvr2.checkpoint import (
     load_nadit,
     load_text_embedding,
     load_vae,
+    recorded_config,
     save_checkpoint,
 )
-from engine.models.seedvr2.config import TINY_3B, TINY_7B, TINY_VAE
+from engine.models.seedvr2.config import TINY_3B, TINY_7B, TINY_VAE, NaDiTConfig, VAEConfig
 from engine.models.seedvr2.nadit import build_nadit
 from engine.models.seedvr2.pipeline import SeedVR2Pipeline
 from engine.models.seedvr2.vae import build_vae
@@ -151,3 +152,30 @@ def test_models_folder_end_to_end(dits, tmp_path):
                                        vae_config=TINY_VAE)
     out = pipe.upscale(torch.randint(0, 256, (5, 32, 48, 3), dtype=torch.uint8), scale=1.5)
     assert out.shape == (5, 48, 72, 3) and out.dtype == torch.uint8
+
+
+def test_toy_files_record_their_architecture(dits, tmp_path):
+    """The embedded default's files carry their architecture in the safetensors header (the toy DiT is wider than
+    TINY_3B: at 64 its residual stream cannot hold the 64 noise numbers a token besides the restored latent); the
+    toy preset builds what the header says, and files without one (official, tiny) stay as they were."""
+    wide = dataclasses.replace(TINY_3B, dim=96, heads=3, mlp_dim=256)
+    vae_config = VAEConfig(block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_groups=4)
+    dit, vae = perturbed(build_nadit(wide, seed=3)), perturbed(build_vae(vae_config, seed=3))
+    save_checkpoint(dit, tmp_path / "seedvr2_ema_3b_fp16.safetensors", torch.float16, config=wide)
+    save_checkpoint(vae, tmp_path / "ema_vae_fp16.safetensors", torch.float16, config=vae_config)
+    torch.save(torch.randn(7, wide.text_dim), tmp_path / "pos_emb.pt")
+    assert recorded_config(tmp_path / "seedvr2_ema_3b_fp16.safetensors", NaDiTConfig) == wide
+    assert recorded_config(tmp_path / "ema_vae_fp16.safetensors", VAEConfig) == vae_config
+    pipe = SeedVR2Pipeline.from_preset("toy", root=tmp_path)
+    assert pipe.dit.config == wide and pipe.vae.config == vae_config
+    for key, value in pipe.dit.state_dict().items():
+        if not key.endswith("rope.freqs"):
+            assert torch.equal(value, dit.state_dict()[key].half().float()), key
+    out = pipe.upscale(torch.randint(0, 256, (5, 16, 24, 3), dtype=torch.uint8), scale=2)
+    assert out.shape == (5, 32, 48, 3)
+
+    save_checkpoint(dits["3b"], tmp_path / "seedvr2_ema_3b_fp16.safetensors", torch.float16)  # no header
+    save_checkpoint(build_vae(TINY_VAE, seed=2), tmp_path / "ema_vae_fp16.safetensors", torch.float16)
+    assert recorded_config(tmp_path / "ema_vae_fp16.safetensors", VAEConfig) is None
+    pipe = SeedVR2Pipeline.from_preset("toy", root=tmp_path)
+    assert pipe.dit.config == TINY_3B and pipe.vae.config == TINY_VAE

@@ -58,7 +58,7 @@ def test_every_task_layout_trains_the_dit():
 
 
 def test_seedvr2_smoke_run_lowers_its_losses_and_writes_the_official_layout(tmp_path):
-    from engine.models.seedvr2.config import TINY_3B
+    from engine.models.seedvr2.config import TOY_3B, TOY_VAE
     from engine.models.seedvr2.pipeline import SeedVR2Pipeline
 
     proc = subprocess.run([sys.executable, "-m", "training.train_seedvr2", "--smoke", "--out", str(tmp_path)],
@@ -70,7 +70,7 @@ def test_seedvr2_smoke_run_lowers_its_losses_and_writes_the_official_layout(tmp_
         assert len(losses) == 4 and losses[-1] < losses[0], (stage, losses)
     assert any(r["stage"] == "sr_eval" and "bicubic_psnr" in r for r in rows)
     pipe = SeedVR2Pipeline.from_preset("toy", root=tmp_path)  # the strict loaders of the official files
-    assert pipe.dit.config == TINY_3B and pipe.name == "toy"
+    assert pipe.dit.config == TOY_3B and pipe.vae.config == TOY_VAE and pipe.name == "toy"  # as the headers say
 
 
 def test_embedded_default_loads_through_the_strict_loaders():

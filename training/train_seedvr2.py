@@ -1,20 +1,27 @@
-"""Train the embedded SeedVR2 (tiny 3B architecture) to restore degraded toy-world clips in its one step.
+"""Train the embedded SeedVR2 (the 3B architecture at toy width) to restore degraded toy-world clips in its one step.
 
-    python -m training.train_seedvr2 --minutes 8 --seed 0 --out engine/weights/toy/seedvr2    # GPU machine
+    python -m training.train_seedvr2 --minutes 9 --seed 0 --out engine/weights/toy/seedvr2    # GPU machine
     python -m training.train_seedvr2 --smoke --out /tmp/seedvr2                                # CPU: a few steps
 
 The ground truth is a rendered clip at the embedded H3 canvas (224x128); its degraded copy is half the size,
 blurred, noised and JPEG-compressed. The pipeline's own preprocessing (bicubic back to the output size, [-1, 1],
 VAE encode) turns the copy into the condition latent; the NaDiT learns the official one-step recipe on it: at
-t = 1000 on [noise | LQ latent | 1] it predicts v with x0 = noise - v, x0 the ground truth's latent. The VAE (the
-tiny preset's widths) is trained first on reconstruction. Files come out in the official layout (DiT and VAE
-fp16 safetensors, pos_emb.pt), which `SeedVR2Pipeline.from_preset("toy")` loads with the strict loaders.
+t = 1000 on [noise | LQ latent | 1] it predicts v with x0 = noise - v, x0 the ground truth's latent. The VAE is
+trained first on reconstruction, each pixel's loss weighted 1 + OBJECT_WEIGHT near the objects (the generator's
+masks, dilated): unweighted, the ~3 % of pixels that hold objects hardly count and a small VAE learns the
+backgrounds and draws the objects as grey blobs. Both learning rates fall to LR_FLOOR of their start over their
+stage. Files come out in the official layout (DiT and VAE fp16 safetensors, pos_emb.pt), their headers recording
+the architecture (`TOY_3B` / `TOY_VAE` unless --resume'd files say otherwise, or the --vae-* / --dit-* options),
+which `SeedVR2Pipeline.from_preset("toy")` loads with the strict loaders.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import time
+from dataclasses import replace
+from multiprocessing import Pool
 from pathlib import Path
 
 import numpy as np
@@ -23,17 +30,37 @@ import torch.nn.functional as F
 from PIL import Image, ImageFilter
 
 from engine.models.seedvr2.checkpoint import DIT_FILES, TEXT_FILE, VAE_FILES, save_checkpoint
-from engine.models.seedvr2.config import LATENT_SCALE, TIMESTEP, TINY_3B, TINY_TEXT_LEN, TINY_VAE
+from engine.models.seedvr2.config import (LATENT_SCALE, TIMESTEP, TINY_TEXT_LEN, TOY_3B, TOY_VAE, VAEConfig,
+                                          swiglu_dim)
 from engine.models.seedvr2.nadit import build_nadit
 from engine.models.seedvr2.pipeline import SeedVR2Pipeline
 from engine.models.seedvr2.vae import build_vae, posterior_sample
 from training.quality import psnr
 from training.toy_scene import sample_scene
 from training.toy_world import render
-from training.train import EVAL_SEED, Log, timed_steps, toy_clips
+from training.train import EVAL_SEED, Log, timed_steps
 
-WINDOW = 17  # pixel frames per training sample (4n + 1)
-STAGES = {"vae": 0.35, "dit": 0.65}
+WINDOW = 17  # pixel frames per VAE training sample (4n + 1)
+DIT_WINDOWS = (17, 41, 121)  # pixel frames of the DiT's pairs, in turn: the temporal windows of 1 s and 5 s clips
+STAGES = {"vae": 0.4, "dit": 0.6}
+OBJECT_WEIGHT, OBJECT_DILATE = 8.0, 2  # VAE loss weight near the objects (their masks grown by this many pixels)
+LR_FLOOR = 0.1  # each stage's learning rate falls linearly (in time) to this share of its start
+UPSCALE_SEED = EVAL_SEED + 500  # the held-out clips (degradations from rng seed 1) of benchmarks/toy_eval.py
+
+
+def render_clip(args: tuple[int, int, int, float]) -> tuple[np.ndarray, np.ndarray]:
+    """(frames uint8 [F, H, W, 3], where any object is: bool [F, H, W]) of one toy scene."""
+    seed, width, height, seconds = args
+    clip = render(sample_scene(seed, width, height), width, height, seconds)
+    return clip.frames, clip.masks.any(0)
+
+
+def toy_clips(seeds, width: int, height: int, seconds: float, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    jobs = [(s, width, height, seconds) for s in seeds]
+    if workers <= 1:
+        return [render_clip(j) for j in jobs]
+    with Pool(workers) as pool:
+        return pool.map(render_clip, jobs, chunksize=4)
 
 
 def degrade(frames: np.ndarray, rng) -> np.ndarray:
@@ -61,31 +88,52 @@ def to_model(frames: np.ndarray, size: tuple[int, int], device) -> torch.Tensor:
     return x.permute(1, 0, 2, 3)
 
 
-def window(clip: np.ndarray, rng, smoke: bool) -> np.ndarray:
-    start = 0 if smoke else int(rng.integers(0, clip.shape[0] - WINDOW + 1))
-    return clip[start:start + WINDOW]
+def window(clip: np.ndarray, rng, smoke: bool, length: int = WINDOW) -> slice:
+    """A random `length`-frame span of the clip (4n + 1 frames; the first when smoke-testing)."""
+    length = min(length, (clip.shape[0] - 1) // 4 * 4 + 1)
+    start = 0 if smoke else int(rng.integers(0, clip.shape[0] - length + 1))
+    return slice(start, start + length)
 
 
-def train_vae(vae, clips, budget_s, batch, log, rng, max_steps=None) -> None:
+def object_weight(masks: np.ndarray, device) -> torch.Tensor:
+    """bool [B, F, H, W] object masks -> loss weights [B, 1, F, H, W]: 1 + OBJECT_WEIGHT near an object."""
+    m = torch.from_numpy(masks).to(device).float().flatten(0, 1)[:, None]
+    m = F.max_pool2d(m, 2 * OBJECT_DILATE + 1, stride=1, padding=OBJECT_DILATE)
+    return (1 + OBJECT_WEIGHT * m).view(masks.shape[0], masks.shape[1], 1, *masks.shape[2:]).transpose(1, 2)
+
+
+def decayed_lr(opt: torch.optim.Optimizer, base: float, start: float, budget_s: float) -> None:
+    """The learning rate at this point of a stage that began at `start` (time.monotonic()) and lasts budget_s."""
+    done = min(max((time.monotonic() - start) / max(budget_s, 1e-9), 0.0), 1.0)
+    for group in opt.param_groups:
+        group["lr"] = base * (1 - (1 - LR_FLOOR) * done)
+
+
+def train_vae(vae, clips, budget_s, batch, log, rng, max_steps=None, lr=1e-3) -> None:
+    """Reconstruction (MSE + L1, weighted near the objects) of random 17-frame windows."""
     vae.train().requires_grad_(True)
-    opt = torch.optim.AdamW(vae.parameters(), lr=1e-3, fused=next(vae.parameters()).is_cuda)
-    size = clips[0].shape[1:3]
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, fused=next(vae.parameters()).is_cuda)
+    size, device, start = clips[0][0].shape[1:3], x_device(vae), time.monotonic()
     for step in timed_steps(budget_s, max_steps):
+        decayed_lr(opt, lr, start, budget_s)
         picks = range(batch) if max_steps else rng.integers(len(clips), size=batch)
-        x = torch.stack([to_model(window(clips[i], rng, bool(max_steps)), size, x_device(vae))
-                         for i in picks])
+        spans = [(clips[i], window(clips[i][0], rng, bool(max_steps))) for i in picks]
+        x = torch.stack([to_model(clip[0][span], size, device) for clip, span in spans])
+        weight = object_weight(np.stack([clip[1][span] for clip, span in spans]), device)
         moments = vae.encoder(x)
         mean, logvar = moments.float().chunk(2, dim=1)
         z = mean + torch.exp(0.5 * logvar.clamp(-30, 20)) * torch.randn_like(mean)
         y = vae.decoder(z)
-        recon = F.mse_loss(y, x)
-        loss = recon + F.l1_loss(y, x) + 1e-6 * (mean.pow(2) + logvar.exp() - 1 - logvar).mean()
+        error = y - x
+        recon = error.square().mean()
+        loss = ((error.square() + error.abs()) * weight).mean() / weight.mean() \
+            + 1e-6 * (mean.pow(2) + logvar.exp() - 1 - logvar).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         opt.step()
         if step % 50 == 0 or max_steps:
-            log("sr_vae", step, max_steps, recon=recon.item())
+            log("sr_vae", step, max_steps, recon=recon.item(), loss=loss.item())
     vae.eval().requires_grad_(False)
 
 
@@ -103,15 +151,19 @@ def pair_latents(vae, hr: np.ndarray, rng) -> tuple[torch.Tensor, torch.Tensor]:
                  for m, g in ((gt, None), (lq, torch.Generator().manual_seed(int(rng.integers(1 << 30))))))
 
 
-def train_dit(dit, vae, text, clips, budget_s, batch, log, rng, max_steps=None) -> None:
-    """One-step restoration on pairs encoded once (two windows of every clip, each with its own degradation)."""
+def train_dit(dit, vae, text, clips, budget_s, batch, log, rng, max_steps=None, lr=3e-4) -> None:
+    """One-step restoration on pairs encoded once (two windows of every clip, DIT_WINDOWS long in turn, each with its
+    own degradation)."""
     dit.float().train().requires_grad_(True)
-    opt = torch.optim.AdamW(dit.parameters(), lr=3e-4, weight_decay=0.01, fused=x_device(dit).type == "cuda")
-    pairs = [pair_latents(vae, window(clip, rng, bool(max_steps)), rng)
-             for clip in clips for _ in range(1 if max_steps else 2)]
+    opt = torch.optim.AdamW(dit.parameters(), lr=lr, weight_decay=0.01, fused=x_device(dit).type == "cuda")
+    lengths = (WINDOW,) if max_steps else DIT_WINDOWS
+    windows = [clip[0] for clip in clips for _ in range(1 if max_steps else 2)]
+    pairs = [pair_latents(vae, frames[window(frames, rng, bool(max_steps), lengths[k % len(lengths)])], rng)
+             for k, frames in enumerate(windows)]
     log("sr_pairs", len(pairs))
-    total, every = 0.0, 1 if max_steps else 100
+    total, every, start = 0.0, 1 if max_steps else 100, time.monotonic()
     for step in timed_steps(budget_s, max_steps):
+        decayed_lr(opt, lr, start, budget_s)
         opt.zero_grad(set_to_none=True)
         picks = range(min(batch, len(pairs))) if max_steps else rng.integers(len(pairs), size=batch)
         gen = torch.Generator().manual_seed(0 if max_steps else int(rng.integers(1 << 30)))
@@ -132,25 +184,51 @@ def train_dit(dit, vae, text, clips, budget_s, batch, log, rng, max_steps=None) 
     dit.eval().requires_grad_(False)
 
 
-def evaluate(pipe: SeedVR2Pipeline, scenes, size: tuple[int, int], seconds: float) -> dict:
-    """PSNR against the rendered ground truth: SeedVR2 on the degraded clip vs its bicubic upscale."""
-    rng, ours, bicubic = np.random.default_rng(0), [], []
+@torch.no_grad()
+def evaluate(pipe: SeedVR2Pipeline, scenes, size: tuple[int, int], seconds: float, seed: int = 1) -> dict:
+    """PSNR against the rendered ground truth (by default benchmarks/toy_eval.py's upscale rows: its clips, its
+    degradations): SeedVR2 on the degraded clip, its bicubic upscale, and what bounds SeedVR2: the VAE's
+    reconstruction of the ground truth (encode -> decode; no DiT, no colour fix) and the pipeline with its DiT
+    skipped (x0 = the LQ latent, colour-fixed)."""
+    rng, rows = np.random.default_rng(seed), {"psnr": [], "bicubic_psnr": [], "vae_psnr": [], "no_dit_psnr": []}
     for scene in scenes:
         hr = render(scene, size[1], size[0], seconds).frames
         lq = degrade(hr, rng)
         out = pipe.upscale(lq, target_height=size[0], target_width=size[1]).numpy()
         up = ((to_model(lq, size, "cpu").permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).byte().numpy()
-        ours.append(psnr(out, hr))
-        bicubic.append(psnr(up, hr))
-    return {"psnr": float(np.mean(ours)), "bicubic_psnr": float(np.mean(bicubic)),
-            "gain_db": float(np.mean(ours) - np.mean(bicubic))}
+        n = (len(hr) - 1) // 4 * 4 + 1
+        recon = pipe.vae.decode(posterior_sample(pipe.vae.encode(to_model(hr[:n], size, pipe.device)[None]), None))
+        recon = ((recon[0].float().clamp(-1, 1).permute(1, 2, 3, 0).cpu() + 1) * 127.5).round().byte().numpy()
+        pipe.predict = lambda vid: vid[..., :16] - vid[..., 16:32]  # v = noise - LQ latent: x0 is the LQ latent
+        try:
+            skipped = pipe.upscale(lq, target_height=size[0], target_width=size[1]).numpy()
+        finally:
+            del pipe.predict
+        for key, frames in (("psnr", out), ("bicubic_psnr", up), ("no_dit_psnr", skipped), ("vae_psnr", recon)):
+            rows[key].append(psnr(frames, hr[:len(frames)]))
+    result = {k: float(np.mean(v)) for k, v in rows.items()}
+    return {**result, "gain_db": result["psnr"] - result["bicubic_psnr"]}
 
 
 def save(dit, vae, text, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(dit, out / DIT_FILES["3b"][0], torch.float16)
-    save_checkpoint(vae, out / VAE_FILES[0], torch.float16)
+    save_checkpoint(dit, out / DIT_FILES["3b"][0], torch.float16, config=dit.config)
+    save_checkpoint(vae, out / VAE_FILES[0], torch.float16, config=vae.config)
     torch.save(text.cpu().clone(), out / TEXT_FILE)
+
+
+def architectures(args) -> tuple:
+    """The DiT and VAE configs of fresh models: TOY_3B / TOY_VAE, changed where an option says so."""
+    dit, vae = TOY_3B, TOY_VAE
+    if args.dit_dim:
+        dit = replace(dit, dim=args.dit_dim, heads=args.dit_dim // dit.head_dim,
+                      mlp_dim=swiglu_dim(args.dit_dim, multiple_of=16))
+    if args.dit_layers:
+        dit = replace(dit, num_layers=args.dit_layers, mm_layers=min(dit.mm_layers, args.dit_layers))
+    if args.vae_widths:
+        vae = VAEConfig(block_out_channels=tuple(args.vae_widths), layers_per_block=args.vae_layers or 1,
+                        norm_groups=args.vae_groups or TOY_VAE.norm_groups)
+    return dit, vae
 
 
 def main(argv=None) -> int:
@@ -161,33 +239,52 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("engine/weights/toy/seedvr2"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--resume", action="store_true", help="start from the files in --out")
+    p.add_argument("--fresh-vae", action="store_true", help="with --resume: a new VAE all the same")
+    p.add_argument("--fresh-dit", action="store_true", help="with --resume: a new DiT all the same")
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
+    p.add_argument("--batch", type=int, default=4, help="clips a step, both stages")
+    p.add_argument("--vae-lr", type=float, default=1e-3)
+    p.add_argument("--dit-lr", type=float, default=3e-4)
+    p.add_argument("--vae-widths", type=int, nargs="+",
+                   help=f"a fresh VAE's block widths (TOY_VAE: {' '.join(map(str, TOY_VAE.block_out_channels))})")
+    p.add_argument("--vae-layers", type=int, help="a fresh VAE's resnets per down block")
+    p.add_argument("--vae-groups", type=int, help="a fresh VAE's GroupNorm groups")
+    p.add_argument("--dit-dim", type=int, help=f"a fresh DiT's width (TOY_3B: {TOY_3B.dim})")
+    p.add_argument("--dit-layers", type=int, help=f"a fresh DiT's blocks (TOY_3B: {TOY_3B.num_layers})")
+    p.add_argument("--eval-clips", type=int, default=4, help="toy_eval's upscale clips scored at the end")
     p.add_argument("--smoke", action="store_true", help="CPU check: small clips, a few steps of each stage")
     args = p.parse_args(argv)
     rng, device = np.random.default_rng(args.seed), torch.device(args.device)
+    torch.backends.cudnn.benchmark = True  # the VAE's 3-D convolutions, at one shape all through its stage
     width, height = (64, 32) if args.smoke else (224, 128)
     steps_cap = 4 if args.smoke else None
     args.out.mkdir(parents=True, exist_ok=True)
     log = Log(args.out / ("smoke_log.jsonl" if args.smoke else "train_log.jsonl"))
     seeds = range(args.seed * 1_000_000 + 500_000, args.seed * 1_000_000 + 500_000 + (1 if args.smoke else args.clips))
-    clips = [c[0] for c in toy_clips(seeds, width, height, 0.75 if args.smoke else 5.0, 1 if args.smoke else 8)]
+    clips = toy_clips(seeds, width, height, 0.75 if args.smoke else 5.0, 1 if args.smoke else 8)
     log("data", len(clips), canvas=f"{width}x{height}")
+    dit_config, vae_config = architectures(args)
     if args.resume:
         pipe = SeedVR2Pipeline.from_preset("toy", device=device, root=args.out, dtype=torch.float32)
         dit, vae, text = pipe.dit, pipe.vae, pipe.text
-    else:
-        dit = build_nadit(TINY_3B, seed=args.seed, device=device)
-        vae = build_vae(TINY_VAE, seed=args.seed, device=device)
-        text = torch.randn(TINY_TEXT_LEN, TINY_3B.text_dim, generator=torch.Generator().manual_seed(0)).to(device)
+    if not args.resume or args.fresh_dit:
+        dit = build_nadit(dit_config, seed=args.seed, device=device)
+    if not args.resume or args.fresh_vae:
+        vae = build_vae(vae_config, seed=args.seed, device=device)
+    if not args.resume:
+        text = torch.randn(TINY_TEXT_LEN, dit.config.text_dim, generator=torch.Generator().manual_seed(0)).to(device)
+    log("models", 0, dit=str(dit.config), vae=str(vae.config))
     budget = args.minutes * 60
     share = {k: v / sum(STAGES[s] for s in args.stages) for k, v in STAGES.items()}
+    batch = 1 if args.smoke else args.batch
     if "vae" in args.stages:
-        train_vae(vae, clips, budget * share["vae"], 1 if args.smoke else 4, log, rng, steps_cap)
+        train_vae(vae, clips, budget * share["vae"], batch, log, rng, steps_cap, lr=args.vae_lr)
     if "dit" in args.stages:
-        train_dit(dit, vae, text, clips, budget * share["dit"], 1 if args.smoke else 4, log, rng, steps_cap)
+        train_dit(dit, vae, text, clips, budget * share["dit"], batch, log, rng, steps_cap, lr=args.dit_lr)
     save(dit, vae, text, args.out)
     pipe = SeedVR2Pipeline.from_preset("toy", device=device, root=args.out, dtype=torch.float32)
-    scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(1 if args.smoke else 4)]
+    scenes = [sample_scene((EVAL_SEED if args.smoke else UPSCALE_SEED) + i, width, height)
+              for i in range(1 if args.smoke else args.eval_clips)]
     log("sr_eval", 0, None, **evaluate(pipe, scenes, (height, width), 0.75 if args.smoke else 1.0))
     return 0
 

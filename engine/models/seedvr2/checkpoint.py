@@ -9,6 +9,8 @@ survive fp8; the `_mixed_block35_fp16` file keeps that block in fp16).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import pickle
 import re
 from pathlib import Path
@@ -32,6 +34,7 @@ DIT_FILES = {
 VAE_FILES = ("ema_vae_fp16.safetensors", "ema_vae.pth")
 TEXT_FILE = "pos_emb.pt"
 SUBDIRS = ("", "seedvr2", "SeedVR2", "SeedVR2-3B", "SeedVR2-7B")
+CONFIG_METADATA = "config"  # the safetensors header entry where the embedded default's files record their architecture
 # Old diffusers attention-block names some VAE state dicts still use.
 LEGACY_VAE_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
 
@@ -250,13 +253,37 @@ def find_models(models_dir: str | Path, size: str) -> tuple[Path, Path, Path]:
     return dit, vae, text
 
 
-def save_checkpoint(model: torch.nn.Module, path: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write `model`'s state dict in the official layout: `.safetensors` or `.pth` by the suffix."""
+def recorded_config(path: str | Path, kind: type[NaDiTConfig] | type[VAEConfig]):
+    """The architecture (a `kind`) a `.safetensors` file's header records (`save_checkpoint(..., config=)`), else
+    None: the official files and the tiny presets' record none."""
+    path = Path(path)
+    if path.suffix != ".safetensors" or not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            text = (f.metadata() or {}).get(CONFIG_METADATA)
+    except SafetensorError as e:
+        raise CheckpointError(f"{path.name}: is truncated or not a safetensors file ({e})") from e
+    if text is None:
+        return None
+    try:
+        values = json.loads(text)
+        fields = {f.name for f in dataclasses.fields(kind)}
+        return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in fields})
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path.name}: its header's '{CONFIG_METADATA}' is not a {kind.__name__} ({e})") from e
+
+
+def save_checkpoint(model: torch.nn.Module, path: str | Path, dtype: torch.dtype | None = None,
+                    config: NaDiTConfig | VAEConfig | None = None) -> Path:
+    """Write `model`'s state dict in the official layout: `.safetensors` or `.pth` by the suffix; a `.safetensors`
+    file's header records `config` when given (`recorded_config` reads it back)."""
     path = Path(path)
     sd = {k: (v if dtype is None else v.to(dtype)).detach().cpu().contiguous().clone()
           for k, v in model.state_dict().items()}
     if path.suffix == ".safetensors":
-        save_file(sd, str(path))
+        metadata = None if config is None else {CONFIG_METADATA: json.dumps(dataclasses.asdict(config))}
+        save_file(sd, str(path), metadata=metadata)
     else:
         torch.save(sd, path)
     return path

@@ -108,5 +108,16 @@ TINY_VAE = VAEConfig(block_out_channels=(16, 16, 16, 16), layers_per_block=1, no
 TINY_RESOLUTIONS = {"720p": 128, "1080p": 144, "1440p": 176, "2k": 176, "2160p": 224, "4k": 224}
 TINY_MAX_PIXELS = 448 * 256
 
+# The embedded default's files ("toy", engine/weights/toy/seedvr2) record their architecture in the safetensors header
+# (`checkpoint.CONFIG_METADATA`); files without one are the tiny presets' (TINY_3B, TINY_VAE). The toy DiT must be wider
+# than 64: at t = 1000 its residual stream carries the noise it is given (2x2 patches of 16 channels: 64 numbers a
+# token) besides the restored latent, and v = noise - x0 needs both. The toy VAE's 16-wide one lost the objects'
+# colours (~21 dB reconstruction of the toy clips, against bicubic's 29 dB from the degraded half-size copy).
+TOY_3B = NaDiTConfig(
+    dim=192, heads=6, head_dim=32, num_layers=4, mm_layers=2, mlp_dim=swiglu_dim(192, multiple_of=16),
+    text_dim=48, freq_dim=32, window_area=(8, 12),
+)
+TOY_VAE = VAEConfig(block_out_channels=(32, 32, 64, 64), layers_per_block=1, norm_groups=8)
+
 DIT_PRESETS = {"3b": NADIT_3B, "7b": NADIT_7B, "tiny-3b": TINY_3B, "tiny-7b": TINY_7B}
 TINY_TEXT_LEN = 7

@@ -33,7 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine.io.convert import to_uint8_frames
-from engine.models.seedvr2.checkpoint import find_models, load_nadit, load_text_embedding, load_vae
+from engine.models.seedvr2.checkpoint import (find_models, load_nadit, load_text_embedding, load_vae,
+                                              recorded_config)
 from engine.models.seedvr2.colorfix import MODES as COLOR_FIX_MODES
 from engine.models.seedvr2.colorfix import color_fix as apply_color_fix
 from engine.models.phases import DecodedFrames, Phase
@@ -175,11 +176,13 @@ class SeedVR2Pipeline:
             from engine.models import TOY_WEIGHTS
 
             dit_path, vae_path, text_path = find_models(root or TOY_WEIGHTS / "seedvr2", "3b")
-            dit = load_nadit(dit_path, TINY_3B, dtype=dtype, device=device)
+            # The files' headers record their architecture (training/train_seedvr2.py); none: the tiny preset's.
+            dit_config = recorded_config(dit_path, NaDiTConfig) or TINY_3B
+            dit = load_nadit(dit_path, dit_config, dtype=dtype, device=device)
             loaded()
-            vae = load_vae(vae_path, TINY_VAE, dtype=dtype, device=device)
+            vae = load_vae(vae_path, recorded_config(vae_path, VAEConfig) or TINY_VAE, dtype=dtype, device=device)
             loaded()
-            text = load_text_embedding(text_path, TINY_3B.text_dim).float()
+            text = load_text_embedding(text_path, dit_config.text_dim).float()
             loaded()
             return cls(dit, vae, text, device, "toy", TINY_RESOLUTIONS, TINY_MAX_PIXELS)
         key = "tiny-3b" if preset == "tiny" else preset
