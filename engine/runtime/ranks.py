@@ -17,6 +17,11 @@ import torch.distributed as dist
 
 # Idle ranks block in the dispatch broadcast until the next job arrives, which may be days away.
 IDLE_WAIT = timedelta(days=365)
+# Streamed DiT units of different sizes come and go every step and fragment fixed-size segments: a 24 GiB plan
+# on an H200 ran out of memory with 20.0 GiB allocated and 3.6 GiB reserved but free
+# (benchmarks/results/memory_plan_e2e_h200_run2.json). Segments that grow in place do not; an operator's
+# PYTORCH_CUDA_ALLOC_CONF stands.
+ALLOCATOR = "expandable_segments:True"
 
 
 @dataclass
@@ -48,6 +53,7 @@ def init_ranks(device_name: str) -> RankContext:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device(device_type)
     if device.type == "cuda":
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR)  # read when CUDA starts, just below
         torch.cuda.set_device(device)
     if world_size == 1:
         return RankContext(0, 1, device)
