@@ -142,8 +142,8 @@ class EnginePlan:
 
 def held_on_host(pipe) -> int:
     """Bytes of the DiT and the text encoder (what a plan may pin) that are in host memory now."""
-    return sum(t.numel() * t.element_size() for model in (pipe.dit, pipe.conditioner.model)
-               for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu")
+    return _bytes(t for model in (pipe.dit, pipe.conditioner.model) for t in (*model.parameters(), *model.buffers())
+                  if t.device.type == "cpu")
 
 
 def plan_engine(pipe, hw: Hardware, precision: str, resident: int | None, tp: int | None = 1) -> EnginePlan:
