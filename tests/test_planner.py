@@ -158,7 +158,8 @@ def test_each_job_is_planned_against_the_loaded_plan():
 
 def test_weights_already_in_host_memory_count_as_room_for_the_pinned_ones(monkeypatch):
     """The engine plans after loading the weights into host memory; streaming pins them in place of that copy, so
-    what the host has available then plus what they hold is the budget (a measured one; --host-memory is a total).
+    what the host has available then plus what they hold is the budget (a measured one; --host-memory is a total);
+    ranks on one host share it.
     Before, a 24 GiB plan of the release was refused on a machine that had just loaded it."""
     from engine.runtime import placement
 
@@ -170,6 +171,9 @@ def test_weights_already_in_host_memory_count_as_room_for_the_pinned_ones(monkey
     assert hw.host_bytes == 120 * GiB
     assert plan_memory(RELEASE, hw, clip(5)).host_bytes <= hw.host_bytes
     assert placement.hardware(cpu, 1, 24, 64, held_bytes=90 * GiB).host_bytes == 64 * GiB
+    # Two ranks on the host: each has its half of what is available (or of --host-memory) plus its own weights.
+    assert placement.hardware(cpu, 2, 24, None, held_bytes=90 * GiB, host_ranks=2).host_bytes == 105 * GiB
+    assert placement.hardware(cpu, 2, 24, 64, held_bytes=90 * GiB, host_ranks=2).host_bytes == 32 * GiB
     pipe = load_pipeline(ModelSource(preset="toy"), RankContext(0, 1, cpu))
     assert placement.held_on_host(pipe) == sum(t.numel() * t.element_size() for m in (pipe.dit, pipe.conditioner.model)
                                                for t in (*m.parameters(), *m.buffers()))

@@ -121,7 +121,7 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
     precision = source.dit_precision
     if planning:
         hw = hardware(ctx.device, ctx.world_size, source.gpu_memory_gb, source.host_memory_gb, held_on_host(pipe),
-                      ctx.control)
+                      ctx.control, ctx.host_ranks)
         planned = plan_engine(pipe, hw, precision, source.resident_blocks, source.tp)  # without --tp, its TP
         mesh = plan(ctx.world_size, planned.plan.tp, pipe.dit.config)
     pipe.parallel = Parallel.build(mesh or plan(ctx.world_size, 1, pipe.dit.config), ctx.group)  # TP, Ulysses groups

@@ -94,11 +94,12 @@ def config_sizes(config, text_encoder=RELEASE_TEXT_ENCODER, vae_bytes: int = REL
 
 
 def hardware(device: torch.device, gpus: int, gpu_memory_gb: float | None, host_memory_gb: float | None,
-             held_bytes: int = 0, group=None) -> Hardware:
-    """This engine's memory: `--gpu-memory` or the GPU's own, `--host-memory` or what the host has available plus
-    `held_bytes`, the weights already loaded in host memory (streaming pins them in place of their pageable copy,
-    so they count as room for the plan's pinned weights, not against it). With the ranks' `group` (gloo), the least
-    of every rank's, so that all make the same plan (their TP degree must agree)."""
+             held_bytes: int = 0, group=None, host_ranks: int = 1) -> Hardware:
+    """One rank's memory: `--gpu-memory` or the GPU's own; its share of the host's (`--host-memory` or what the
+    host has available, split between the `host_ranks` ranks on this host) plus, when measured, `held_bytes`: this
+    rank's weights already loaded in host memory (streaming pins them in place of their pageable copy, so they
+    count as room for the plan's pinned weights, not against it). With the ranks' `group` (gloo), the least of
+    every rank's, so that all make the same plan (their TP degree must agree)."""
     if gpu_memory_gb is not None:
         device_bytes = int(gpu_memory_gb * GiB)
     else:
@@ -108,9 +109,9 @@ def hardware(device: torch.device, gpus: int, gpu_memory_gb: float | None, host_
                                     ("int8", capability.int8_gemm(device.type, cap))) if ok)
     host = int(host_memory_gb * GiB) if host_memory_gb is not None else host_available_bytes()
     if host is None:  # no /proc/meminfo: the whole RAM
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    elif host_memory_gb is None:
-        host += held_bytes
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // host_ranks
+    else:
+        host = host // host_ranks + (held_bytes if host_memory_gb is None else 0)
     if group is not None:
         least = torch.tensor([device_bytes, host, *(p in compute for p in QUANTIZED)], dtype=torch.int64)
         dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)

@@ -31,6 +31,7 @@ class RankContext:
     device: torch.device
     group: "dist.ProcessGroup | None" = None  # compute group for sharded work (NCCL on GPUs, gloo on CPU)
     control: "dist.ProcessGroup | None" = None  # gloo: job dispatch and step agreement
+    host_ranks: int = 1  # ranks on this host (they share its memory)
 
     @property
     def backend(self) -> str | None:
@@ -61,7 +62,8 @@ def init_ranks(device_name: str) -> RankContext:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     control = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
-    return RankContext(dist.get_rank(), world_size, device, dist.group.WORLD, control)
+    return RankContext(dist.get_rank(), world_size, device, dist.group.WORLD, control,
+                       int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
 
 def close_ranks(ctx: RankContext) -> None:

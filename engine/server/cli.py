@@ -97,8 +97,8 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
                    help="plan for this much memory per GPU (GiB) instead of the GPU's own, e.g. to leave room for "
                         "other programs; on a CPU engine it turns the memory planner on (for tests)")
     p.add_argument("--host-memory", type=float, metavar="GB",
-                   help="host memory the plan may use for streamed weights (GiB; default: what the host has "
-                        "available)")
+                   help="host memory the plan may use for streamed weights (GiB, shared by the ranks on this "
+                        "host; default: what the host has available)")
     p.add_argument("--vsa-sparsity", type=float, default=0.0, metavar="S",
                    help="H3 video sparse attention: fraction of video cubes skipped, e.g. 0.875 (0: dense)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
