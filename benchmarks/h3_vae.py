@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import RESULTS, log, save, stage  # noqa: E402
+from benchmarks.timing import Measured, measure  # noqa: E402
 from engine.kernels import attention as attn  # noqa: E402
 from engine.models.h3 import vae as V  # noqa: E402
 from engine.models.h3.video_vae_fast import TileGrid  # noqa: E402
@@ -93,26 +93,6 @@ def encoder_flops(model, clip_frames: list[int], height: int, width: int) -> flo
     return total
 
 
-def measure(fn, device, warmup: int, iters: int):
-    """(seconds per call, (peak GiB during the timed calls, of it above what was allocated before them), the last
-    call's result)."""
-    cuda = device.type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        result = fn()
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - t0) / iters
-    peak = torch.cuda.max_memory_allocated() if cuda else None
-    return seconds, (round(peak / GiB, 1), round((peak - base) / GiB, 1)) if cuda else (None, None), result
-
-
 def psnr(a: torch.Tensor, b: torch.Tensor, vae: V.VideoVAE) -> float:
     """Of ImageNet-normalised frames mapped back to [0, 1] (unclamped: random weights overshoot it), peak 1."""
     std = vae.pixel_std.to(a.device)
@@ -124,9 +104,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def add_row(kind: str, name: str, seconds: float, flops: float, peak: tuple, **extra) -> None:
-    row = dict(kind=kind, name=name, s=round(seconds, 3), tflops=float(f"{flops / seconds / 1e12:.3g}"),
-               peak_GiB=peak[0], above_start_GiB=peak[1], **extra)
+def gib(n: int | None) -> float | None:
+    return None if n is None else round(n / GiB, 1)
+
+
+def add_row(kind: str, name: str, run: Measured, flops: float, **extra) -> None:
+    row = dict(kind=kind, name=name, s=round(run.seconds, 3), tflops=float(f"{flops / run.seconds / 1e12:.3g}"),
+               peak_GiB=gib(run.peak), above_start_GiB=gib(run.above_start), **extra)
     RESULTS.setdefault("rows", []).append(row)
     log(f"{row}")
 
@@ -140,22 +124,22 @@ def decode(args, vae, device) -> None:
     flops = decoder_flops(model, args.latents, args.height, args.width)
     floats = lambda: torch.cat(list(vae._decoded_chunks(zd)), dim=2)  # noqa: E731  (float frames, on the device)
 
-    seconds, peak, oracle = measure(lambda: model.decode(zd, return_dict=False)[0], device, 0, 1)
-    add_row("decode", "diffusers fp32 (oracle)", seconds, flops, peak, psnr=float("inf"))
+    run = measure(lambda: model.decode(zd, return_dict=False)[0], device)
+    oracle = run.result
+    add_row("decode", "diffusers fp32 (oracle)", run, flops, psnr=float("inf"))
     fast_rows = [("ours fp16", torch.float16, False), ("ours bf16", torch.bfloat16, False),
                  ("ours fp8 (bf16 activations)", torch.bfloat16, True)]
     for name, dtype, fp8 in fast_rows:
         vae.decode_dtype, vae.decode_fp8 = dtype, fp8
-        seconds, peak, frames = measure(floats, device, 1, args.iters)
-        add_row("decode", name, seconds, flops, peak, psnr=psnr(frames, oracle, vae), compute=dtype_name(
+        run = measure(floats, device, 1, args.iters)
+        add_row("decode", name, run, flops, psnr=psnr(run.result, oracle, vae), compute=dtype_name(
             vae.fast_decoder().dtype))
-        del frames
+        del run
     vae.decode_dtype, vae.decode_fp8 = torch.float16, False
-    seconds, peak, _ = measure(lambda: vae.decode(z), device, 1, args.iters)
-    add_row("decode", "ours fp16 -> uint8 host frames", seconds, flops, peak)
+    add_row("decode", "ours fp16 -> uint8 host frames", measure(lambda: vae.decode(z), device, 1, args.iters), flops)
     vae.reference = True  # casts diffusers' decoder weights to fp16 in place: the fp32 oracle ran first
-    seconds, peak, frames = measure(floats, device, 1, 1)
-    add_row("decode", "diffusers fp16 (released recipe)", seconds, flops, peak, psnr=psnr(frames, oracle, vae))
+    run = measure(floats, device, 1, 1)
+    add_row("decode", "diffusers fp16 (released recipe)", run, flops, psnr=psnr(run.result, oracle, vae))
     vae.reference = False
 
 
@@ -173,8 +157,9 @@ def encode(args, vae, device) -> None:
         return torch.cat(list(vae._decoded_chunks(latents * vae.latents_std + vae.latents_mean)), dim=2)
 
     vae.reference = True
-    seconds, peak, oracle = measure(lambda: vae.encode_frames(frames), device, 1, 1)
-    add_row("encode", "diffusers fp32 (released)", seconds, diffusers_flops, peak)
+    run = measure(lambda: vae.encode_frames(frames), device, 1, 1)
+    oracle = run.result
+    add_row("encode", "diffusers fp32 (released)", run, diffusers_flops)
 
     def autocast():
         with torch.autocast(device.type, dtype=torch.float16, enabled=device.type == "cuda"):
@@ -187,16 +172,15 @@ def encode(args, vae, device) -> None:
     results = []
     for name, fn, reference, dtype, iters, flops in rows:
         vae.reference, vae.encode_dtype = reference, dtype or vae.encode_dtype
-        seconds, peak, latents = measure(fn, device, 1, iters)
-        err = (latents - oracle).abs()
-        results.append((name, seconds, flops, peak, latents, dict(
+        run = measure(fn, device, 1, iters)
+        err = (run.result - oracle).abs()
+        results.append((name, run, flops, dict(
             latents_max_abs_err=float(f"{err.max():.3g}"), latents_mean_abs_err=float(f"{err.mean():.3g}"),
             **({} if reference else {"compute": dtype_name(vae.fast_encoder().dtype)}))))
     vae.reference, vae.encode_dtype = False, torch.bfloat16
     reference_frames = decoded(oracle)
-    for name, seconds, flops, peak, latents, errors in results:
-        add_row("encode", name, seconds, flops, peak, **errors,
-                decode_psnr=psnr(decoded(latents), reference_frames, vae))
+    for name, run, flops, errors in results:
+        add_row("encode", name, run, flops, **errors, decode_psnr=psnr(decoded(run.result), reference_frames, vae))
 
 
 def main() -> int:

@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
-import gc
 import json
 import math
 import sys
-import time
 import weakref
 from pathlib import Path
 
@@ -44,6 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import RESULTS, log, save, stage  # noqa: E402
+from benchmarks.timing import measure  # noqa: E402
 from engine.kernels import attention as attn  # noqa: E402
 from engine.models.seedvr2.config import NADIT_3B, TINY_3B, TINY_VAE, VAE  # noqa: E402
 from engine.models.seedvr2.nadit import build_nadit  # noqa: E402
@@ -91,28 +89,6 @@ class FloatMemory(TorchDispatchMode):
             self.now -= self.bytes.pop(key)
 
 
-def measure(fn, device, iters=1):
-    """(seconds per call, activation peak in bytes above what was allocated before, result of the last call). On the
-    CPU the peak comes from FloatMemory."""
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    memory = contextlib.nullcontext() if cuda else FloatMemory()
-    with memory:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            result = fn()
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = (time.perf_counter() - t0) / iters
-    peak = torch.cuda.max_memory_allocated() - base if cuda else memory.peak
-    return seconds, peak, result
-
-
 def gib(n):
     return None if n is None else round(n / GiB, 2)
 
@@ -136,7 +112,7 @@ def run_convs(config, device, dtype, height, width):
         for name, inp in (("reference", x), ("fast", x.contiguous(memory_format=torch.channels_last_3d))):
             with torch.no_grad():
                 F.conv3d(inp, weight, None, 1, (0, 1, 1))  # warm-up (cuDNN's choice)
-                seconds, _, _ = measure(lambda: F.conv3d(inp, weight, None, 1, (0, 1, 1)), device, iters=3)
+                seconds = measure(lambda: F.conv3d(inp, weight, None, 1, (0, 1, 1)), device, iters=3).seconds
             row[f"{name}_ms"], row[f"{name}_tflops"] = round(seconds * 1e3, 2), tflops(flops, seconds)
         rows.append(row)
         del x
@@ -165,15 +141,16 @@ def run_vae(pipe, frames, height, width, device, fast, tiling, flops):
     try:
         with torch.no_grad():
             vae.decode(vae.encode(video, tiling=tiling)[:, :16], tiling=tiling)  # warm-up: every chunk's shapes
-            enc_s, enc_peak, moments = measure(lambda: vae.encode(video, tiling=tiling), device)
-            dec_s, dec_peak, _ = measure(lambda: vae.decode(moments[:, :16], tiling=tiling), device)
+            enc = measure(lambda: vae.encode(video, tiling=tiling), device, cpu_memory=FloatMemory())
+            dec = measure(lambda: vae.decode(enc.result[:, :16], tiling=tiling), device, cpu_memory=FloatMemory())
     finally:
         vae.channels_last = None
+    enc_s, dec_s = enc.seconds, dec.seconds
     return {"path": "fast" if fast else "reference", "tiling": tiling, "frames": frames,
             "encode_s_per_frame": round(enc_s / frames, 4), "decode_s_per_frame": round(dec_s / frames, 4),
             "s_per_frame": round((enc_s + dec_s) / frames, 4), "encode_tflops": tflops(flops[0], enc_s),
             "decode_tflops": tflops(flops[1], dec_s), "tflops": tflops(sum(flops), enc_s + dec_s),
-            "encode_act_peak_GiB": gib(enc_peak), "decode_act_peak_GiB": gib(dec_peak)}
+            "encode_act_peak_GiB": gib(enc.above_start), "decode_act_peak_GiB": gib(dec.above_start)}
 
 
 # ---- 3. DiT -------------------------------------------------------------------------------------------------------
@@ -194,7 +171,8 @@ def run_dit(pipe, frames, height, width, device):
     cond = torch.randn(*latent, 33, device=device)
     with torch.no_grad():
         pipe.predict(cond)  # warm-up: kernels, plan
-        seconds, peak, _ = measure(lambda: pipe.predict(cond), device, iters=2)
+        run = measure(lambda: pipe.predict(cond), device, iters=2, cpu_memory=FloatMemory())
+    seconds, peak = run.seconds, run.above_start
     tokens = math.prod(grid)
     return {"frames": frames, "grid": list(grid), "tokens": tokens, "window": list(dit.window_size(grid)),
             "s": round(seconds, 3), "s_per_frame": round(seconds / frames, 4),
@@ -215,14 +193,15 @@ def run_upscale(pipe, frames, height, width, device, dit=True, fast=True, tiling
         torch.cuda.reset_peak_memory_stats()
     try:
         with torch.no_grad():
-            seconds, peak, out = measure(lambda: pipe.upscale(clip, target_height=height, target_width=width,
-                                                              tiling=tiling, batch_frames=batch_frames), device)
+            run = measure(lambda: pipe.upscale(clip, target_height=height, target_width=width, tiling=tiling,
+                                               batch_frames=batch_frames), device, cpu_memory=FloatMemory())
     finally:
         vars(pipe).pop("predict", None)
         pipe.vae.channels_last = None
+    out, seconds = run.result, run.seconds
     row = {"frames": frames, "size": f"{width // 2}x{height // 2} -> {out.shape[2]}x{out.shape[1]}", "dit": dit,
            "vae": "fast" if fast else "reference", "tiling": tiling, "s": round(seconds, 2),
-           "s_per_frame": round(seconds / frames, 3), "peak_GiB": gib(peak)}
+           "s_per_frame": round(seconds / frames, 3), "peak_GiB": gib(run.above_start)}
     if device.type == "cuda":  # with the weights: what has to fit
         row["peak_allocated_GiB"] = gib(torch.cuda.max_memory_allocated())
         row["peak_reserved_GiB"] = gib(torch.cuda.max_memory_reserved())

@@ -109,7 +109,7 @@ def decayed_lr(opt: torch.optim.Optimizer, base: float, start: float, budget_s: 
         group["lr"] = base * (1 - (1 - LR_FLOOR) * done)
 
 
-def train_vae(vae, clips, budget_s, batch, log, rng, max_steps=None, lr=1e-3) -> None:
+def train_vae(vae, clips, budget_s, batch, log, rng, max_steps=None, lr=3e-4) -> None:
     """Reconstruction (MSE + L1, weighted near the objects) of random 17-frame windows."""
     vae.train().requires_grad_(True)
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, fused=next(vae.parameters()).is_cuda)
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     p.add_argument("--fresh-dit", action="store_true", help="with --resume: a new DiT all the same")
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
     p.add_argument("--batch", type=int, default=4, help="clips a step, both stages")
-    p.add_argument("--vae-lr", type=float, default=1e-3)
+    p.add_argument("--vae-lr", type=float, default=3e-4, help="1e-3 stalled (README: stop 32's runs)")
     p.add_argument("--dit-lr", type=float, default=3e-4)
     p.add_argument("--vae-widths", type=int, nargs="+",
                    help=f"a fresh VAE's block widths (TOY_VAE: {' '.join(map(str, TOY_VAE.block_out_channels))})")
