@@ -37,17 +37,18 @@ def rows(frames: int) -> int:
 
 
 # (model, GiB per GPU, GPUs, seconds) -> (precision, TP, units on the GPU (None: all), text encoder streamed).
-# "release": the official bf16 DiT (quantized online: its AdaLN projections, 26 GB, stay bf16, so int8 is 43.6 GB);
+# "release": the official bf16 DiT (quantized online: fp8 leaves its AdaLN projections, 26 GB, in bf16, int8 takes
+# them too: fp8 43.6 GiB, int8 31.5 GiB);
 # "pruned": the Comfy-Org pruned file most 24-48 GB cards load (curve AdaLN: int8 19.5 GB, bf16 37.4 GB).
 TABLE = {
     ("release", 141, 1, 5): ("bf16", 1, None, False),  # an H200 holds everything, the text encoder too
     ("release", 141, 1, 15): ("bf16", 1, None, True),
     ("release", 80, 1, 5): ("bf16", 1, None, True),  # A100 / H100 80 GB: bf16 without streaming
     ("release", 80, 1, 15): ("fp8", 1, None, True),
-    ("release", 48, 1, 5): ("int8", 1, 74, True),  # L40S / RTX 6000 Ada: the bf16 AdaLN keeps fp8 off the card
-    ("release", 32, 1, 5): ("int8", 1, 36, True),  # RTX 5090: int8 streamed
-    ("release", 24, 1, 5): ("int8", 1, 20, True),  # RTX 4090
-    ("release", 24, 2, 5): ("int8", 2, 48, True),  # 2 x 4090: TP 2 keeps more units on each
+    ("release", 48, 1, 5): ("int8", 1, None, True),  # L40S / RTX 6000 Ada: the bf16 AdaLN keeps fp8 off the card
+    ("release", 32, 1, 5): ("int8", 1, 48, True),  # RTX 5090: int8 streamed
+    ("release", 24, 1, 5): ("int8", 1, 26, True),  # RTX 4090
+    ("release", 24, 2, 5): ("int8", 2, 71, True),  # 2 x 4090: TP 2 keeps more units on each
     ("release", 80, 4, 15): ("bf16", 1, None, True),  # 4 x A100-80: Ulysses 4 shares the activations
     ("release", 48, 4, 5): ("bf16", 2, None, True),  # 4 x L40S: TP 2 holds the bf16 DiT, Ulysses 2 over the pairs
     ("pruned", 48, 1, 5): ("fp8", 1, None, True),
@@ -79,16 +80,40 @@ def test_the_plans_for_a_table_of_gpus_and_clips(case):
 
 def test_resident_units_are_the_largest_at_their_stored_size():
     """What k resident units hold is the k largest units' bytes at the precision (the streamer keeps the largest):
-    online int8 quantizes the blocks' GEMMs only, so the release's bf16 AdaLN projections (0.52 GB each) and
-    refiner blocks (0.77 GB) outweigh an int8 block (0.39 GB). Before, every unit counted as the mean at one byte
-    a parameter, and a 24 GiB plan for int8 promised 33 units where 20 fit."""
-    int8 = RELEASE.resident_bytes("int8")
+    the refiner blocks stay bf16 (0.77 GB each) and outweigh an int8 block (0.39 GB), which outweighs an int8 AdaLN
+    projection (0.26 GB; fp8 leaves them in bf16, 0.52 GB, ahead of its blocks). Before, every unit counted as the
+    mean at one byte a parameter, and a 24 GiB plan for int8 promised 33 units where 20 fit."""
+    int8, fp8 = RELEASE.resident_bytes("int8"), RELEASE.resident_bytes("fp8")
+    gemm, adaln, other = (sum(p) for p in (RELEASE.unit_gemm_params, RELEASE.unit_adaln_params,
+                                           RELEASE.unit_other_bytes))
     assert len(int8) == RELEASE.units + 1 and int8[0] == 0
-    assert int8[2] == 2 * RELEASE.unit_other_bytes[0]  # the two refiner blocks
-    assert int8[4] - int8[2] == 2 * RELEASE.unit_other_bytes[2]  # then AdaLN projections
-    assert int8[-1] - int8[-51] == 50 * RELEASE.unit_gemm_params[-1]  # the int8 blocks last
-    assert RELEASE.resident_bytes("bf16")[-1] == 2 * sum(RELEASE.unit_gemm_params) + sum(RELEASE.unit_other_bytes)
+    assert int8[2] == fp8[2] == 2 * RELEASE.unit_other_bytes[0]  # the two refiner blocks
+    assert int8[52] - int8[2] == 50 * RELEASE.unit_gemm_params[-1]  # then the int8 blocks
+    assert int8[-1] - int8[52] == 50 * RELEASE.unit_adaln_params[2]  # the int8 AdaLN projections last
+    assert fp8[52] - fp8[2] == 2 * 50 * RELEASE.unit_adaln_params[2]  # fp8: the bf16 projections come first
+    assert RELEASE.resident_bytes("bf16")[-1] == 2 * gemm + 2 * adaln + other
+    assert fp8[-1] == gemm + 2 * adaln + other and int8[-1] == gemm + adaln + other
     assert RELEASE.resident_bytes("int8", tp=2)[-1] == pytest.approx(int8[-1] / 2, abs=RELEASE.units)
+
+
+def test_the_planned_sizes_are_what_online_quantization_leaves():
+    """config_sizes' units at bf16, fp8 and int8 against a bf16 DiT of that config quantized by set_precision
+    (int8 takes the AdaLN projections, ConvRot group 64 for 128 inputs). The planner leaves out biases and row scales
+    (6 bytes a row: 4.7 % of an int8 row of this model's 128 inputs, 0.2 % of the release's 2688)."""
+    from engine.models.h3.dit import build_dit
+    from engine.models.h3.precision import set_precision
+    from engine.runtime.streaming import dit_units, unit_tensors
+    from test_comfy_files import CONFIG
+
+    sizes = config_sizes(CONFIG)
+    for precision in ("bf16", "fp8", "int8"):
+        dit = set_precision(build_dit(CONFIG, seed=0, dtype=torch.bfloat16), precision)
+        units = sorted((sum(getattr(o, n).numel() * getattr(o, n).element_size() for o, n, _ in unit_tensors(m, ex))
+                        for m, ex in dit_units(dit)), reverse=True)
+        planned = sizes.resident_bytes(precision)
+        assert [b - a for a, b in zip(planned, planned[1:])] == pytest.approx(units, rel=0.05), precision
+        if precision == "int8":
+            assert dit.blocks[0].adaln_proj.linear.group == 64
 
 
 def test_pinned_choices_are_kept():
@@ -165,7 +190,7 @@ def test_weights_already_in_host_memory_count_as_room_for_the_pinned_ones(monkey
 
     monkeypatch.setattr(placement, "host_available_bytes", lambda: 30 * GiB)  # after a 90 GiB load on 128 GiB
     cpu = torch.device("cpu")
-    with pytest.raises(DoesNotFit, match="needs 105.6 GiB of pinned host memory .* --text-encoder-precision int8"):
+    with pytest.raises(DoesNotFit, match="needs 93.5 GiB of pinned host memory .* --text-encoder-precision int8"):
         plan_memory(RELEASE, placement.hardware(cpu, 1, 24, None), clip(5))
     hw = placement.hardware(cpu, 1, 24, None, held_bytes=90 * GiB)
     assert hw.host_bytes == 120 * GiB

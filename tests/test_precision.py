@@ -1,5 +1,5 @@
 """Online quantization at load (`serve --dit-precision fp8|int8`): the block GEMMs of a bf16 DiT become fp8 or int8
-ConvRot layers, the rest keeps its dtype, the output stays near the float model's, and a real engine started with
+ConvRot layers (int8 also its AdaLN projections), the rest keeps its dtype, the output stays near the float model's, and a real engine started with
 the flag says so in /v1/status and runs a job; int8 on a model too narrow for ConvRot is refused by name. The same
 for the text encoder's decoder GEMMs (`--text-encoder-precision`), stored quantized and dequantized per layer."""
 
@@ -30,6 +30,9 @@ def full():
 def test_block_gemms_are_quantized_and_the_output_stays_close(full, precision, layer, tolerance):
     model = set_precision(copy.deepcopy(full), precision)
     assert all(isinstance(model.get_submodule(n), layer) for n in block_gemms(model))
+    adaln = [block.adaln_proj.linear for block in model.blocks]  # int8 takes them (group 64: 128 inputs), fp8 not
+    assert all(isinstance(a, Int8ConvRotLinear) and a.group == 64 if precision == "int8" else type(a) is nn.Linear
+               for a in adaln)
     assert isinstance(model.time_embedder.proj_in, nn.Linear)  # outside the blocks' GEMMs: as it was
     assert model.time_embedder.proj_in.weight.dtype == torch.float32
     err = rel(forward(model), forward(full))

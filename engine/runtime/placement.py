@@ -33,16 +33,18 @@ def stored_precision(dit) -> str:
 
 def pipeline_sizes(pipe) -> ModelSizes:
     """The byte counts the planner needs, read off the loaded models."""
-    from engine.models.h3.precision import block_gemms
+    from engine.models.h3.precision import block_gemms, int8_adaln
 
     dit, c = pipe.dit, pipe.dit.config
     units = dit_units(dit)
     float_gemms = {id(layer.weight) for layer in map(dit.get_submodule, block_gemms(dit)) if type(layer) is nn.Linear}
-    gemm_params, other_bytes = [], []
+    float_adaln = {id(dit.get_submodule(name).weight) for name in int8_adaln(dit)}
+    gemm_params, adaln_params, other_bytes = [], [], []
     for module, exclude in units:
         tensors = [getattr(owner, name) for owner, name, _ in unit_tensors(module, exclude)]
         gemm_params.append(sum(t.numel() for t in tensors if id(t) in float_gemms))
-        other_bytes.append(_bytes(t for t in tensors if id(t) not in float_gemms))
+        adaln_params.append(sum(t.numel() for t in tensors if id(t) in float_adaln))
+        other_bytes.append(_bytes(t for t in tensors if id(t) not in float_gemms | float_adaln))
     other = [getattr(owner, name) for owner, name, _ in unit_tensors(dit, tuple(m for m, _ in units))]
     text = pipe.conditioner.model
     return ModelSizes(unit_gemm_params=tuple(gemm_params), unit_other_bytes=tuple(other_bytes),
@@ -52,7 +54,7 @@ def pipeline_sizes(pipe) -> ModelSizes:
                       vae_bytes=pipe.video_vae.served_bytes() + module_bytes(pipe.audio_vae.model),
                       hidden=c.hidden_size, inner=c.inner_dim, ffn=c.ffn_dim, heads=c.num_attention_heads,
                       stored=stored_precision(dit), tp_degrees=tuple(tensor.tp_degrees(c)),
-                      video_vae=video_vae_sizes(pipe.video_vae))
+                      video_vae=video_vae_sizes(pipe.video_vae), unit_adaln_params=tuple(adaln_params))
 
 
 def video_vae_sizes(vae) -> VideoVAESizes:
@@ -77,20 +79,25 @@ RELEASE_VAES = int(6.5 * GiB)  # the released video (fp16) and audio (fp32) VAEs
 def config_sizes(config, text_encoder=RELEASE_TEXT_ENCODER, vae_bytes: int = RELEASE_VAES) -> ModelSizes:
     """The sizes of a DiT of this config (bf16) without building it, beside the released text encoder and VAEs:
     the released model's for benchmarks and the planner's tests."""
+    from engine.models.h3.precision import adaln_group
+
     c = config
     block = c.hidden_size * 3 * c.inner_dim + c.inner_dim * c.hidden_size + 3 * c.hidden_size * c.ffn_dim
     adaln = c.time_embed_dim * 6 * 3 * c.hidden_size
     other = (c.video_patch_dim + c.audio_in_channels + c.text_dim + c.freq_dim) * c.hidden_size + (
         c.time_embed_hidden_dim * (c.freq_dim + c.time_embed_dim) + c.time_embed_dim * 2 * c.hidden_size
         + c.hidden_size * (c.video_patch_dim + c.audio_in_channels))
-    # dit_units' order: the refiner blocks and the AdaLN projections stay bf16 (online quantization and the
-    # Comfy-Org files alike), then the blocks, whose four GEMMs a precision stores.
+    # dit_units' order: the refiner blocks (bf16 at any precision), the AdaLN projections (int8 takes full-width
+    # ones; curve ones, 8 inputs, stay fp32), then the blocks, whose four GEMMs a precision stores.
     gemms = (0,) * (c.num_refiner_layers + c.num_layers) + (block,) * c.num_layers
-    others = (2 * block,) * c.num_refiner_layers + (2 * adaln,) * c.num_layers + (0,) * c.num_layers
+    int8_adaln = adaln_group(c.time_embed_dim) is not None
+    adalns = (0,) * c.num_refiner_layers + (adaln if int8_adaln else 0,) * c.num_layers + (0,) * c.num_layers
+    others = ((2 * block,) * c.num_refiner_layers + (0 if int8_adaln else 2 * adaln,) * c.num_layers
+              + (0,) * c.num_layers)
     return ModelSizes(unit_gemm_params=gemms, unit_other_bytes=others, dit_other_bytes=4 * other,
                       text_encoder_bytes=text_encoder[0], text_encoder_layers=text_encoder[1], vae_bytes=vae_bytes,
                       hidden=c.hidden_size, inner=c.inner_dim, ffn=c.ffn_dim, heads=c.num_attention_heads,
-                      tp_degrees=tuple(tensor.tp_degrees(c)))
+                      tp_degrees=tuple(tensor.tp_degrees(c)), unit_adaln_params=adalns)
 
 
 def hardware(device: torch.device, gpus: int, gpu_memory_gb: float | None, host_memory_gb: float | None,

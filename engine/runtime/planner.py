@@ -76,8 +76,9 @@ class ModelSizes:
     """Byte counts of the loaded (or about to be loaded) models, and the DiT's widths."""
 
     # Per streamed unit (engine.runtime.streaming.dit_units): the parameters of its GEMM weights that a precision
-    # quantizes (a block's four GEMMs while they are float), and the bytes of the rest as stored (AdaLN projections
-    # and refiner blocks stay in their float dtype, so an int8 unit is not half a bf16 one).
+    # quantizes (a block's four GEMMs while they are float), and the bytes of the rest as stored (refiner blocks stay
+    # in their float dtype, so an int8 unit is not half a bf16 one); `unit_adaln_params`: float AdaLN projection
+    # weights, which int8 quantizes and fp8 does not (engine/models/h3/precision.py).
     unit_gemm_params: tuple[int, ...]
     unit_other_bytes: tuple[int, ...]
     dit_other_bytes: int  # the rest of the DiT (patch projections, time embedder, final layer, norms)
@@ -91,6 +92,7 @@ class ModelSizes:
     stored: str = "bf16"  # bf16 / fp32 weights, or the quantized file's fp8 / int8 (run as stored)
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)  # legal TP sizes (engine.parallel.tensor.tp_degrees)
     video_vae: VideoVAESizes = VideoVAESizes()
+    unit_adaln_params: tuple[int, ...] = ()  # () when there are none
 
     @property
     def text_layer_bytes(self) -> int:
@@ -103,8 +105,11 @@ class ModelSizes:
     def resident_bytes(self, precision: str, tp: int = 1) -> list[int]:
         """[k] = the bytes on one rank of the k largest streamed units at `precision`: what k resident units hold
         (the streamer keeps the k - 2 largest; the others take turns in two places, at most the next two)."""
-        sizes = sorted((-(-(g * PRECISION_BYTES[precision] + o) // tp)
-                        for g, o in zip(self.unit_gemm_params, self.unit_other_bytes)), reverse=True)
+        adaln = PRECISION_BYTES["int8" if precision == "int8" else self.stored if self.stored in ("bf16", "fp32")
+                                else "bf16"]
+        sizes = sorted((-(-(g * PRECISION_BYTES[precision] + a * adaln + o) // tp)
+                        for g, a, o in zip(self.unit_gemm_params, self.unit_adaln_params or (0,) * self.units,
+                                           self.unit_other_bytes)), reverse=True)
         return list(accumulate(sizes, initial=0))
 
 
