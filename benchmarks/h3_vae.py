@@ -187,10 +187,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="a small config and canvas on the CPU")
     parser.add_argument("--iters", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results/h3_vae.json")
+    parser.add_argument("--out", help="default: benchmarks/results/h3_vae.json (--small: h3_vae_small.json)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.small else "cuda")
-    out = Path(args.out if not args.small else "benchmarks/results/h3_vae_small.json")
+    out = Path(args.out or f"benchmarks/results/h3_vae{'_small' if args.small else ''}.json")
     args.height, args.width, args.latents = (128, 224, 12) if args.small else (768, 1344, 37)
     args.frames = (args.latents - 2) // 5 * 17 + 5
     if device.type == "cuda":
