@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from engine.models.h3.config import FULL, TINY
 from engine.models.h3.dit import SwiGLU, build_dit
 from engine.models.h3.lora import load_lora, merge_lora
-from engine.models.h3.precision import block_gemms, set_precision
+from engine.models.h3.precision import block_gemms, int8_adaln, set_precision
 from engine.models.h3.request import GenerateRequest
 from engine.parallel import tensor
 from engine.parallel.mesh import Mesh, Parallel, plan
@@ -104,6 +104,8 @@ def _rank(rank, store, out_dir, lora):
         results["fp8 after"] = run(set_precision(tp2.shard(build_dit(CONFIG)), "fp8"), "t2va")
         results["int8"] = run(tp2.shard(int8(build_dit(CONFIG))), "t2va")
         results["w8a8"] = run(tp2.shard(int8(build_dit(CONFIG), int_mm=True)), "t2va")
+        cut = tp2.shard(build_dit(CONFIG))
+        results["int8 adaln after"] = run(quantize_linears(cut, int8_adaln(cut)), "t2va")
         for what, make in (("heads", lambda: build_dit(TINY)), ("int8", lambda: int8(build_dit(CONFIG)))):
             try:
                 tp4.shard(make())
@@ -161,6 +163,11 @@ def test_quantized_layers_are_cut_exactly(ranks):
         assert_ranks_equal(ranks, "int8", *run(int8(build_dit(CONFIG)), "t2va"))
         assert_ranks_equal(ranks, "w8a8", *run(int8(build_dit(CONFIG), int_mm=True), "t2va"), tol=1e-3)
         assert_ranks_equal(ranks, "fp8 after", *fp8, tol=2e-3)  # 4e-2 without the collectives
+        # Online int8's AdaLN projections (rows cut, then quantized row by row: the same rows as on one rank).
+        whole = build_dit(CONFIG)
+        adaln = run(quantize_linears(whole, int8_adaln(whole)), "t2va")
+        assert rel(adaln[0], run(build_dit(CONFIG), "t2va")[0]) > 1e-4
+        assert_ranks_equal(ranks, "int8 adaln after", *adaln)
         assert rel(run(build_dit(CONFIG), "t2va")[0], fp8[0]) > 1e-3  # fp8 rounding shows at that tolerance
 
 

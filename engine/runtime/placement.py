@@ -90,9 +90,9 @@ def config_sizes(config, text_encoder=RELEASE_TEXT_ENCODER, vae_bytes: int = REL
     # dit_units' order: the refiner blocks (bf16 at any precision), the AdaLN projections (int8 takes full-width
     # ones; curve ones, 8 inputs, stay fp32), then the blocks, whose four GEMMs a precision stores.
     gemms = (0,) * (c.num_refiner_layers + c.num_layers) + (block,) * c.num_layers
-    int8_adaln = adaln_group(c.time_embed_dim) is not None
-    adalns = (0,) * c.num_refiner_layers + (adaln if int8_adaln else 0,) * c.num_layers + (0,) * c.num_layers
-    others = ((2 * block,) * c.num_refiner_layers + (0 if int8_adaln else 2 * adaln,) * c.num_layers
+    quantizable = adaln_group(c.time_embed_dim) is not None
+    adalns = (0,) * c.num_refiner_layers + (adaln if quantizable else 0,) * c.num_layers + (0,) * c.num_layers
+    others = ((2 * block,) * c.num_refiner_layers + (0 if quantizable else 2 * adaln,) * c.num_layers
               + (0,) * c.num_layers)
     return ModelSizes(unit_gemm_params=gemms, unit_other_bytes=others, dit_other_bytes=4 * other,
                       text_encoder_bytes=text_encoder[0], text_encoder_layers=text_encoder[1], vae_bytes=vae_bytes,

@@ -41,10 +41,11 @@ def adaln_group(in_features: int) -> int | None:
     return next((g for g in ADALN_GROUPS if in_features % g == 0), None)
 
 
-def int8_adaln(dit: H3DiT) -> list[str]:
-    """The blocks' AdaLN projections online int8 quantizes: still plain nn.Linear and wide enough."""
-    names = [f"blocks.{i}.adaln_proj.linear" for i in range(len(dit.blocks))]
-    return [n for n in names if type(layer := dit.get_submodule(n)) is nn.Linear and adaln_group(layer.in_features)]
+def int8_adaln(dit: H3DiT) -> dict[str, QuantSpec]:
+    """The blocks' AdaLN projections online int8 quantizes (still plain nn.Linear and wide enough), with their group."""
+    layers = {f"blocks.{i}.adaln_proj.linear": block.adaln_proj.linear for i, block in enumerate(dit.blocks)}
+    return {name: QuantSpec("int8_convrot", group=adaln_group(layer.in_features)) for name, layer in layers.items()
+            if type(layer) is nn.Linear and adaln_group(layer.in_features)}
 
 
 def set_precision(dit: H3DiT, precision: str) -> H3DiT:
@@ -55,7 +56,7 @@ def set_precision(dit: H3DiT, precision: str) -> H3DiT:
         return dit
     specs = dict.fromkeys(_plain_linears(dit, block_gemms(dit), fmt), QuantSpec(fmt))
     if precision == "int8":
-        specs.update({n: QuantSpec(fmt, group=adaln_group(dit.get_submodule(n).in_features)) for n in int8_adaln(dit)})
+        specs.update(int8_adaln(dit))
     quantize_linears(dit, specs)
     fuse_swiglu(dit, SwiGLU)
     bump_weights_version(dit)
