@@ -95,6 +95,11 @@ class ModelSizes:
     unit_adaln_params: tuple[int, ...] = ()  # () when there are none
 
     @property
+    def float_bytes(self) -> int:
+        """Per parameter of the DiT's float weights: as stored, bf16 beside a quantized file's layers."""
+        return PRECISION_BYTES[self.stored] if self.stored in ("bf16", "fp32") else PRECISION_BYTES["bf16"]
+
+    @property
     def text_layer_bytes(self) -> int:
         return -(-self.text_encoder_bytes // max(1, self.text_encoder_layers))
 
@@ -105,8 +110,7 @@ class ModelSizes:
     def resident_bytes(self, precision: str, tp: int = 1) -> list[int]:
         """[k] = the bytes on one rank of the k largest streamed units at `precision`: what k resident units hold
         (the streamer keeps the k - 2 largest; the others take turns in two places, at most the next two)."""
-        adaln = PRECISION_BYTES["int8" if precision == "int8" else self.stored if self.stored in ("bf16", "fp32")
-                                else "bf16"]
+        adaln = PRECISION_BYTES["int8"] if precision == "int8" else self.float_bytes
         sizes = sorted((-(-(g * PRECISION_BYTES[precision] + a * adaln + o) // tp)
                         for g, a, o in zip(self.unit_gemm_params, self.unit_adaln_params or (0,) * self.units,
                                            self.unit_other_bytes)), reverse=True)
