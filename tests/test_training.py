@@ -73,6 +73,21 @@ def test_seedvr2_smoke_run_lowers_its_losses_and_writes_the_official_layout(tmp_
     assert pipe.dit.config == TOY_3B and pipe.vae.config == TOY_VAE and pipe.name == "toy"  # as the headers say
 
 
+def test_a_fresh_seedvr2_vae_starts_with_little_posterior_noise():
+    """At the default init the posterior's noise (std ~1) swamps the means (std ~0.3); fresh_vae starts it small."""
+    from engine.models.seedvr2.config import TOY_VAE
+    from engine.models.seedvr2.vae import build_vae
+    from training.train_seedvr2 import fresh_vae
+
+    x = torch.rand(1, 3, 5, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    stds = []
+    for vae in (build_vae(TOY_VAE, seed=0), fresh_vae(TOY_VAE, 0, "cpu")):
+        mean, logvar = vae.encoder(x).chunk(2, dim=1)
+        stds.append((mean.std().item(), logvar.mul(0.5).exp().mean().item()))
+    (mean_std, noise), (fresh_mean_std, fresh_noise) = stds
+    assert noise > mean_std and fresh_noise < 0.05 * fresh_mean_std and fresh_mean_std == mean_std, stds
+
+
 def test_embedded_default_loads_through_the_strict_loaders():
     from engine.models.seedvr2.pipeline import SeedVR2Pipeline
 

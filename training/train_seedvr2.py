@@ -10,9 +10,11 @@ t = 1000 on [noise | LQ latent | 1] it predicts v with x0 = noise - v, x0 the gr
 trained first on reconstruction, each pixel's loss weighted 1 + OBJECT_WEIGHT near the objects (the generator's
 masks, dilated): unweighted, the ~3 % of pixels that hold objects hardly count and a small VAE learns the
 backgrounds and draws the objects as grey blobs. Both learning rates fall to LR_FLOOR of their start over their
-stage. Files come out in the official layout (DiT and VAE fp16 safetensors, pos_emb.pt), their headers recording
-the architecture (`TOY_3B` / `TOY_VAE` unless --resume'd files say otherwise, or the --vae-* / --dit-* options),
-which `SeedVR2Pipeline.from_preset("toy")` loads with the strict loaders.
+stage. --minutes is the stages' training time: rendering the clips (~12 s), encoding the DiT's pairs (~150 s for
+TOY_VAE on an H200) and the closing eval (~30 s) come on top. Files come out in the official layout (DiT and VAE
+fp16 safetensors, pos_emb.pt), their headers recording the architecture (`TOY_3B` / `TOY_VAE` unless --resume'd
+files say otherwise, or the --vae-* / --dit-* options), which `SeedVR2Pipeline.from_preset("toy")` loads with the
+strict loaders.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import io
 import time
 from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -45,6 +48,7 @@ DIT_WINDOWS = (17, 41, 121)  # pixel frames of the DiT's pairs, in turn: the tem
 STAGES = {"vae": 0.4, "dit": 0.6}
 OBJECT_WEIGHT, OBJECT_DILATE = 8.0, 2  # VAE loss weight near the objects (their masks grown by this many pixels)
 LR_FLOOR = 0.1  # each stage's learning rate falls linearly (in time) to this share of its start
+LOGVAR_INIT = -10.0  # a fresh VAE's posterior log-variance: its noise starts ~0.007, not 1 (see fresh_vae)
 UPSCALE_SEED = EVAL_SEED + 500  # the held-out clips (degradations from rng seed 1) of benchmarks/toy_eval.py
 
 
@@ -109,6 +113,16 @@ def decayed_lr(opt: torch.optim.Optimizer, base: float, start: float, budget_s: 
         group["lr"] = base * (1 - (1 - LR_FLOOR) * done)
 
 
+def fresh_vae(config: VAEConfig, seed: int, device) -> torch.nn.Module:
+    """A new VAE whose posterior starts nearly deterministic. At the default init its log-variance is ~0, so the
+    training sample carries noise of std 1 against means of std ~0.3: the decoder learns to hedge (colours pulled
+    towards the data's mean, stop 32's 17.9 dB) long before the encoder has outgrown the noise."""
+    vae = build_vae(config, seed=seed, device=device)
+    with torch.no_grad():
+        vae.encoder.conv_out.bias[config.latent_channels:] = LOGVAR_INIT
+    return vae
+
+
 def train_vae(vae, clips, budget_s, batch, log, rng, max_steps=None, lr=3e-4) -> None:
     """Reconstruction (MSE + L1, weighted near the objects) of random 17-frame windows."""
     vae.train().requires_grad_(True)
@@ -144,13 +158,19 @@ def x_device(module: torch.nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def pair_latents(vae, hr: np.ndarray, rng) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ground-truth latent, LQ latent), both [T, h, w, 16] at the DiT's scale."""
+def pair_latents(vae, hr: np.ndarray, lq: np.ndarray, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ground-truth latent, LQ latent: a posterior sample), both [T, h, w, 16] at the DiT's scale."""
     device, size = x_device(vae), hr.shape[1:3]
-    gt = vae.encode(to_model(hr, size, device)[None])
-    lq = vae.encode(to_model(degrade(hr, rng), size, device)[None])
-    return tuple(posterior_sample(m, g)[0].permute(1, 2, 3, 0) * LATENT_SCALE
-                 for m, g in ((gt, None), (lq, torch.Generator().manual_seed(int(rng.integers(1 << 30))))))
+    gt, lq = (vae.encode(to_model(frames, size, device)[None]) for frames in (hr, lq))
+    return tuple(posterior_sample(m, g)[0].permute(1, 2, 3, 0) * LATENT_SCALE for m, g in ((gt, None), (lq, generator)))
+
+
+def degraded(spans: list[np.ndarray], rng, workers: int) -> list[np.ndarray]:
+    """Each span degraded with its own seed, on `workers` threads (PIL resizes, blurs and compresses without the
+    GIL)."""
+    seeds = rng.integers(1 << 30, size=len(spans))
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda hr, seed: degrade(hr, np.random.default_rng(seed)), spans, seeds))
 
 
 def train_dit(dit, vae, text, clips, budget_s, batch, log, rng, max_steps=None, lr=3e-4) -> None:
@@ -160,8 +180,11 @@ def train_dit(dit, vae, text, clips, budget_s, batch, log, rng, max_steps=None, 
     opt = torch.optim.AdamW(dit.parameters(), lr=lr, weight_decay=0.01, fused=x_device(dit).type == "cuda")
     lengths = (WINDOW,) if max_steps else DIT_WINDOWS
     windows = [clip[0] for clip in clips for _ in range(1 if max_steps else 2)]
-    pairs = [pair_latents(vae, frames[window(frames, rng, bool(max_steps), lengths[k % len(lengths)])], rng)
+    spans = [frames[window(frames, rng, bool(max_steps), lengths[k % len(lengths)])]
              for k, frames in enumerate(windows)]
+    seeds = rng.integers(1 << 30, size=len(spans))
+    pairs = [pair_latents(vae, hr, lq, torch.Generator().manual_seed(int(seed)))
+             for hr, lq, seed in zip(spans, degraded(spans, rng, 1 if max_steps else 8), seeds)]
     log("sr_pairs", len(pairs))
     total, every, start = 0.0, 1 if max_steps else 100, time.monotonic()
     for step in timed_steps(budget_s, max_steps):
@@ -245,7 +268,7 @@ def main(argv=None) -> int:
     p.add_argument("--fresh-dit", action="store_true", help="with --resume: a new DiT all the same")
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
     p.add_argument("--batch", type=int, default=4, help="clips a step, both stages")
-    p.add_argument("--vae-lr", type=float, default=3e-4, help="1e-3 stalled (README: stop 32's runs)")
+    p.add_argument("--vae-lr", type=float, default=3e-4, help="1e-3 learned slower (README: stop 32's and 33's runs)")
     p.add_argument("--dit-lr", type=float, default=3e-4)
     p.add_argument("--vae-widths", type=int, nargs="+",
                    help=f"a fresh VAE's block widths (TOY_VAE: {' '.join(map(str, TOY_VAE.block_out_channels))})")
@@ -272,7 +295,7 @@ def main(argv=None) -> int:
     if not args.resume or args.fresh_dit:
         dit = build_nadit(dit_config, seed=args.seed, device=device)
     if not args.resume or args.fresh_vae:
-        vae = build_vae(vae_config, seed=args.seed, device=device)
+        vae = fresh_vae(vae_config, args.seed, device)
     if not args.resume:
         text = torch.randn(TINY_TEXT_LEN, dit.config.text_dim, generator=torch.Generator().manual_seed(0)).to(device)
     log("models", 0, dit=str(dit.config), vae=str(vae.config))
