@@ -304,9 +304,10 @@ def main(argv=None) -> int:
     batch = 1 if args.smoke else args.batch
     if "vae" in args.stages:
         train_vae(vae, clips, budget * share["vae"], batch, log, rng, steps_cap, lr=args.vae_lr)
+        save(dit, vae, text, args.out)  # a call cut short in the DiT stage keeps the VAE (--resume --stages dit)
     if "dit" in args.stages:
         train_dit(dit, vae, text, clips, budget * share["dit"], batch, log, rng, steps_cap, lr=args.dit_lr)
-    save(dit, vae, text, args.out)
+        save(dit, vae, text, args.out)
     pipe = SeedVR2Pipeline.from_preset("toy", device=device, root=args.out, dtype=torch.float32)
     scenes = [sample_scene((EVAL_SEED if args.smoke else UPSCALE_SEED) + i, width, height)
               for i in range(1 if args.smoke else args.eval_clips)]
