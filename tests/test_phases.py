@@ -171,6 +171,7 @@ def _cancel_rank(rank, store, out_dir):
 
         runner.run = run
         follower_loop(runner)
+        del runner.run  # runner -> run -> runner: a cycle that kept the process groups alive into interpreter exit
     (out_dir / f"rank{rank}.json").write_text(json.dumps(outcomes))
     dist.destroy_process_group()
 
