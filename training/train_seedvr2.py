@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import io
 import time
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from multiprocessing import Pool
 from pathlib import Path
 
