@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from . import launcher, model_files
@@ -23,6 +24,11 @@ FILE_INPUTS = (("diffusion_model", "diffusion_models", "dit"), ("text_encoder", 
 _INPUT_ERROR_CODES = {"invalid_request", "too_large"}
 # Error codes of a failure inside the engine, whose log tells more.
 _ENGINE_FAULT_CODES = {"internal", "rank_lost"}
+# Error codes of a lost or unanswered connection. A bundled engine that closes connections as it exits (e.g. after
+# failing to load its models) is still tearing down when the client gives up: its exit code and log tail are worth
+# waiting for, up to a little past its 9 s shutdown deadline.
+_CONNECTION_CODES = {"unreachable", "disconnected"}
+EXIT_REPORT_WAIT_S = 10.0
 
 _last_settings: dict | None = None
 
@@ -82,11 +88,12 @@ def last_settings() -> dict:
     return _last_settings or default_settings()
 
 
-def readable_error(error: EngineError, url: str) -> Exception:
+async def readable_error(error: EngineError, url: str) -> Exception:
     """The exception ComfyUI shows for an engine error: the engine's message, written for an artist, and
     the log tail when the bundled engine died under the job (or where its log is, for an engine fault)."""
     kind = ValueError if error.code in _INPUT_ERROR_CODES else RuntimeError
-    report = launcher.exit_report(url)
+    wait = EXIT_REPORT_WAIT_S if error.code in _CONNECTION_CODES else 0.0
+    report = await asyncio.to_thread(launcher.exit_report, url, wait)
     if report is None and error.code in _ENGINE_FAULT_CODES:
         log = launcher.log_file(launcher.host_port(url)[1])
         report = f"The engine's log ({log}) says more." if log.is_file() else None

@@ -147,10 +147,18 @@ def launched(url: str) -> LaunchedEngine | None:
     return engine if engine is not None and engine.alive() else None
 
 
-def exit_report(url: str) -> str | None:
-    """Why the engine this process started for `url` is gone (exit code and log tail), or None if it is not."""
+def exit_report(url: str, wait: float = 0.0) -> str | None:
+    """Why the engine this process started for `url` is gone (exit code and log tail), or None if it is not
+    (after waiting up to `wait` seconds for it to finish exiting)."""
     engine = _launched.get(host_port(url))
-    if engine is None or engine.alive():
+    if engine is None:
+        return None
+    if wait > 0 and engine.alive():
+        try:
+            engine.process.wait(wait)
+        except subprocess.TimeoutExpired:
+            return None
+    if engine.alive():
         return None
     return (f"The bundled engine exited with code {engine.process.returncode}. "
             f"Log ({engine.log_file}):\n{engine.log_tail()}")

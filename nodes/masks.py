@@ -333,7 +333,7 @@ async def canvas_rules(choice: str, engine) -> tuple[int, int]:
         try:
             status = await client.status()
         except EngineError as error:
-            raise readable_error(error, client.url) from None
+            raise await readable_error(error, client.url) from None
         canvas = (status.get("models") or {}).get("canvas")
         if canvas:
             return int(canvas["short_edge"]), int(canvas["max_pixels"])

@@ -254,7 +254,7 @@ async def run_job(client, task: str, params: dict, tensors: dict, unique_id, on_
             _raise_interrupt(interrupted)
         if error.code == "unknown_job":
             raise SourceJobGone(f"H3Forge: {error.message}") from None
-        raise readable_error(error, client.url) from None
+        raise await readable_error(error, client.url) from None
     finally:
         watcher.cancel()
     if cancel.is_set():  # the job finished before the engine saw the cancel: still honour the Stop

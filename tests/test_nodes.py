@@ -2,6 +2,8 @@
 
 import asyncio
 import importlib
+import subprocess
+import sys
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -21,6 +23,7 @@ STEPS = 3  # sigma grid points: 2 DiT evaluations
 load_pack()
 comfy = importlib.import_module("h3forge_pack.nodes.comfy_compat")
 launcher = importlib.import_module("h3forge_pack.nodes.launcher")
+from h3forge_pack.nodes.client import EngineError  # noqa: E402
 from h3forge_pack.nodes.engine_node import (H3ForgeEngine, client_for, default_settings,  # noqa: E402
                                             speed_params)
 from h3forge_pack.nodes.preview import H3ForgePreview  # noqa: E402
@@ -221,6 +224,28 @@ def test_bundled_engine_that_cannot_load_is_readable(tmp_path, monkeypatch):
             engine.stop()
     message = str(caught.value)
     assert message.startswith("H3Forge: ") and "no-such-models" in message
+
+
+def test_a_dropped_connection_waits_for_the_exiting_bundled_engine_and_shows_why_it_exited(tmp_path, monkeypatch):
+    # A bundled engine that fails to load its models answers /v1/health while loading, then closes its connections
+    # and takes a while to exit: the artist must still see its exit code and log, not a bare "unreachable".
+    monkeypatch.setenv("H3FORGE_LOG_DIR", str(tmp_path))
+    engine_node = importlib.import_module("h3forge_pack.nodes.engine_node")
+    url = f"ws://127.0.0.1:{free_port()}"
+    port = launcher.host_port(url)[1]
+    launcher.log_file(port).write_text("event=engine.load_failed models/transformer: no such file or directory\n")
+    process = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(2); sys.exit(3)"])
+    launcher._launched[launcher.host_port(url)] = launcher.LaunchedEngine(process, url, port, tmp_path / "t", [])
+    try:
+        t0 = time.perf_counter()
+        wrong_input = asyncio.run(engine_node.readable_error(EngineError("invalid_request", "steps: at most 50"), url))
+        assert str(wrong_input) == "H3Forge: steps: at most 50" and time.perf_counter() - t0 < 1
+        lost = asyncio.run(engine_node.readable_error(EngineError("unreachable", "no answer to the hello"), url))
+        assert "exited with code 3" in str(lost) and "models/transformer: no such file" in str(lost)
+    finally:
+        process.kill()
+        process.wait()
+        launcher._launched.pop(launcher.host_port(url), None)
 
 
 def test_unreachable_engine_without_auto_launch_is_readable():

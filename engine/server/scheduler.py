@@ -328,6 +328,7 @@ class Scheduler:
         self.load_runner, self.store, self.max_queue = load_runner, store, max_queue
         self.memory_cap_bytes = memory_cap_bytes  # per job, estimated before it runs (check_memory_cap)
         self.state = "loading"  # -> "ready" | "failed" | "stopping"
+        self.load_error: str | None = None  # why the models could not be loaded (state "failed")
         self.runner: JobRunner | None = None
         self.queue: deque[Job] = deque()
         self.running: Job | None = None
@@ -339,8 +340,11 @@ class Scheduler:
 
     # ---- requests from connections (event loop) ------------------------------------------------------------
     def submit(self, spec: JobSpec, subscriber: Subscriber, mp4: bool) -> tuple[Job, int]:
-        if self.state in ("failed", "stopping"):
-            raise ProtocolError("unavailable", f"The engine is {self.state}; it takes no new jobs.")
+        if self.state == "failed":
+            raise ProtocolError("unavailable", f"The engine could not load its models ({self.load_error}); it takes "
+                                               f"no jobs and is exiting.")
+        if self.state == "stopping":
+            raise ProtocolError("unavailable", "The engine is stopping; it takes no new jobs.")
         if len(self.queue) >= self.max_queue:
             self.counters["rejected"] += 1
             raise ProtocolError("queue_full", f"The engine's queue is full ({len(self.queue)} jobs waiting); "
@@ -404,7 +408,7 @@ class Scheduler:
         try:
             self.runner = await loop.run_in_executor(self._executor, self.load_runner)
         except Exception as exc:
-            self.state = "failed"
+            self.state, self.load_error = "failed", str(exc)
             log_event("engine.load_failed", logging.ERROR, exc_info=exc)
             while self.queue:
                 self._finish(self.queue.popleft(), error=ProtocolError(
