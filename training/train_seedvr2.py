@@ -11,10 +11,10 @@ trained first on reconstruction, each pixel's loss weighted 1 + OBJECT_WEIGHT ne
 masks, dilated): unweighted, the ~3 % of pixels that hold objects hardly count and a small VAE learns the
 backgrounds and draws the objects as grey blobs. Both learning rates fall to LR_FLOOR of their start over their
 stage. --minutes is the stages' training time: rendering the clips (~12 s), encoding the DiT's pairs (TOY_VAE: ~150
-s for 512 on an H200, ~940 s for 128 on 2 CPU cores) and the closing eval (~30 s; ~210 s on the CPU) come on top. Files come out in the official layout (DiT and VAE
-fp16 safetensors, pos_emb.pt), their headers recording the architecture (`TOY_3B` / `TOY_VAE` unless --resume'd
-files say otherwise, or the --vae-* / --dit-* options), which `SeedVR2Pipeline.from_preset("toy")` loads with the
-strict loaders.
+s for 512 on an H200, ~940 s for 128 on 2 CPU cores) and the closing eval (~30 s; ~210 s on the CPU) come on top.
+Files come out in the official layout (DiT and VAE fp16 safetensors, pos_emb.pt), their headers recording the
+architecture (`TOY_3B` / `TOY_VAE` unless --resume'd files say otherwise, or the --vae-* / --dit-* options), which
+`SeedVR2Pipeline.from_preset("toy")` loads with the strict loaders.
 """
 
 from __future__ import annotations
