@@ -3,10 +3,10 @@
 bound it: the VAE's reconstruction of the ground truth (a ceiling for whatever the DiT restores) and the DiT's
 restoration in latent space, which must not carry the noise it is given at t = 1000.
 
-The committed pair (stop 34: TOY_VAE trained on an H200, TOY_3B on this CPU; README) beats bicubic, but not yet by
-2 dB: its VAE reconstructs toy_eval's 4 upscale clips at 30.2 dB against bicubic's 29.3, so no DiT on it can add
-2 dB, and its DiT passes the LQ latent through with some of the noise it is given (x0 further from the ground truth's
-latent than the LQ latent on 3 of those 4 clips). Those three targets are strict xfails until a retrain reaches them.
+The committed pair (stop 35: both trained on an H200, README) reconstructs toy_eval's 4 upscale clips at 35.8 dB
+and upscales them at 33.3 dB against bicubic's 29.3 (+4.0 dB). Its DiT, 400 GPU steps on that VAE's latents, adds
+0.14 dB in pixels over passing the LQ latent through, but in latent space its x0 is further from the ground truth's
+latent than the LQ latent on the first test clip: that check stays a strict xfail until a longer DiT run clears it.
 """
 
 import numpy as np
@@ -22,8 +22,9 @@ from training.toy_world import render
 from training.train_seedvr2 import UPSCALE_SEED, degrade, to_model
 
 WIDTH, HEIGHT, FRAMES = 224, 128, 17
-short_of_target = pytest.mark.xfail(strict=True, reason="issue 18: the committed toy SeedVR2 is +0.8 dB over bicubic "
-                                                         "(VAE 30.2 dB, bicubic 29.3 on toy_eval's upscale clips)")
+dit_short_of_target = pytest.mark.xfail(strict=True, reason="the committed toy DiT's x0 is further from the ground "
+                                                             "truth's latent than the LQ latent on clip 0 (MSE 0.029 "
+                                                             "vs 0.022; clip 1: 0.025 vs 0.037)")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,6 @@ def latent(pipe, frames: np.ndarray, generator=None) -> torch.Tensor:
                             generator)[0].permute(1, 2, 3, 0) * LATENT_SCALE
 
 
-@short_of_target
 @torch.no_grad()
 def test_the_vae_reconstructs_the_ground_truth_above_bicubic(toy, clips):
     """Encode -> decode of the ground truth (no DiT, no colour fix) must clear bicubic from the degraded copy by a
@@ -64,7 +64,7 @@ def test_the_vae_reconstructs_the_ground_truth_above_bicubic(toy, clips):
         assert psnr(recon, hr) >= psnr(bicubic(lq), hr) + 3.0, (psnr(recon, hr), psnr(bicubic(lq), hr))
 
 
-@short_of_target
+@dit_short_of_target
 @torch.no_grad()
 def test_the_dit_restores_towards_the_ground_truth_whatever_the_noise(toy, clips):
     """x0 = noise - v at t = 1000 is nearer the ground truth's latent than the LQ latent it starts from, and two
@@ -80,17 +80,9 @@ def test_the_dit_restores_towards_the_ground_truth_whatever_the_noise(toy, clips
         assert (x0[0] - x0[1]).square().mean() < 0.25 * lq_error, ((x0[0] - x0[1]).square().mean(), lq_error)
 
 
-@short_of_target
 def test_upscaling_a_degraded_clip_beats_bicubic_by_2_db_and_keeps_its_colour(toy, clips):
     for hr, lq in clips:
         out = toy.upscale(lq, target_height=HEIGHT, target_width=WIDTH).numpy()
         assert psnr(out, hr) >= psnr(bicubic(lq), hr) + 2.0, (psnr(out, hr), psnr(bicubic(lq), hr))
         assert delta_e76(mean_colour_lab(out), mean_colour_lab(hr)) <= 3.0
 
-
-def test_upscaling_a_degraded_clip_beats_bicubic_and_keeps_its_colour(toy, clips):
-    """What the committed pair does reach (the files before stop 34 lost 5.5 dB to bicubic)."""
-    for hr, lq in clips:
-        out = toy.upscale(lq, target_height=HEIGHT, target_width=WIDTH).numpy()
-        assert psnr(out, hr) > psnr(bicubic(lq), hr) + 0.5, (psnr(out, hr), psnr(bicubic(lq), hr))
-        assert delta_e76(mean_colour_lab(out), mean_colour_lab(hr)) <= 3.0
