@@ -14,6 +14,7 @@ decodes of both latents (ours fp16).
 
     python benchmarks/h3_vae.py [--out benchmarks/results/h3_vae.json]
     python benchmarks/h3_vae.py --small    # a small config and canvas on the CPU: checks the code path only
+    python benchmarks/h3_vae.py --skip encode    # the decode rows alone
 """
 
 from __future__ import annotations
@@ -187,6 +188,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="a small config and canvas on the CPU")
     parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--skip", nargs="*", default=[], choices=("decode", "encode"), help="parts to skip")
     parser.add_argument("--out", help="default: benchmarks/results/h3_vae.json (--small: h3_vae_small.json)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.small else "cuda")
@@ -201,8 +203,9 @@ def main() -> int:
                    frames=args.frames, latents=[1, 24, args.latents, args.height // 16, args.width // 16],
                    params=sum(p.numel() for p in vae.model.parameters()))
     log(f"{RESULTS}")
-    stage("decode", lambda: decode(args, vae, device), out)
-    stage("encode", lambda: encode(args, vae, device), out)
+    for name, part in (("decode", decode), ("encode", encode)):
+        if name not in args.skip:
+            stage(name, lambda: part(args, vae, device), out)
 
     log(f"\n== MiniMax-H3 video VAE, {args.frames} frames {RESULTS['canvas']}, latents {RESULTS['latents']}, "
         f"{RESULTS['device']}, attention {attn.choose(device)} ==")

@@ -130,6 +130,32 @@ def test_fp8_decoder_runs_dequantized_on_the_cpu(vae):
     assert 0 < max_err(approx, exact) < 0.1 * exact.abs().max().item()
 
 
+@torch.no_grad()
+def test_fp8_decoder_with_the_norms_quantizing_its_gemm_inputs_is_the_unfused_fp8_decoder(vae):
+    """With fp8 GEMMs (`torch._scaled_mm`, which the CPU runs too) the norms hand qkv and fc1 their rows quantized;
+    in fp32 that is the very quantization the layers would do, so the decode is the same to the bit."""
+    try:
+        torch._scaled_mm(torch.zeros(16, 16, dtype=torch.float8_e4m3fn), torch.zeros(16, 16, dtype=torch.float8_e4m3fn),
+                         scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        pytest.skip("this torch's CPU _scaled_mm takes per-tensor scales only (torch 2.11; 2.13 takes row scales)")
+    z = latents(7, HEIGHT // 16, WIDTH // 16, seed=5) * vae.latents_std + vae.latents_mean
+    vae.decode_fp8 = True
+    decoder = vae.fast_decoder()
+    try:
+        assert decoder.fp8_rows is False  # no fp8 GEMMs on the CPU: the layers dequantize their weights
+        for layer in decoder.modules():
+            if hasattr(layer, "scaled_mm"):
+                layer.scaled_mm = True
+        unfused = torch.cat(list(vae._decoded_chunks(z)), dim=2)
+        decoder.fp8_rows = True
+        fused_rows = torch.cat(list(vae._decoded_chunks(z)), dim=2)
+    finally:
+        vae.decode_fp8 = False
+        vae._fast.pop("decoder")
+    assert torch.equal(fused_rows, unfused)
+
+
 # --- encode ------------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
@@ -178,22 +204,29 @@ def test_encode_frames_recipe_matches_the_reference_path(untiled):
 
 # --- kernels -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("channels, groups", [(12, 4), (256, 32)])
-def test_frame_group_norm_kernels_match_eager(channels, groups):
+@pytest.mark.parametrize("channels, groups, with_bias", [(12, 4, False), (256, 32, False), (12, 4, True)])
+def test_frame_group_norm_kernels_match_eager(channels, groups, with_bias):
     """Channels-last input 40 standard deviations from zero (the shifted sums keep the variance: the eager fp32 norm
-    is off by 1e-3 there), written into the interior of a padded channels-last buffer; against the eager fp64 norm."""
+    is off by 1e-3 there), written into the interior of a padded channels-last buffer; against the eager fp64 norm.
+    With a bias folded in (a convolution's, per channel), against the eager norm of x + bias."""
     load_kernels("engine.kernels.group_norm_triton")
     g = torch.Generator().manual_seed(channels)
     n, t, h, w = 2, 3, 5, 7
     x = (torch.randn(n, channels, t, h, w, generator=g) * 0.5 + 20.0).to(memory_format=torch.channels_last_3d)
+    bias = 3 * torch.randn(channels, generator=g) if with_bias else None
     norm = nn.GroupNorm(groups, channels, eps=1e-6)
     norm.weight.data = 1 + 0.2 * torch.randn(channels, generator=g)
     norm.bias.data = 0.2 * torch.randn(channels, generator=g)
     want = torch.empty_like(x, dtype=torch.float64)
-    group_norm.frame_group_norm_silu(x.double(), norm.double(), want)
-    x, norm = x.to(DEVICE), norm.float().to(DEVICE)
+    x64 = x.double() if bias is None else x.double() + bias.double().view(-1, 1, 1, 1)
+    group_norm.frame_group_norm_silu(x64, norm.double(), want)
+    if bias is not None:  # the eager path folds the bias in too
+        eager = torch.empty_like(want)
+        group_norm.frame_group_norm_silu(x.double(), norm.double(), eager, bias.double())
+        assert max_err(eager, want) < 1e-12
+    x, norm, bias = x.to(DEVICE), norm.float().to(DEVICE), None if bias is None else bias.to(DEVICE)
     buffer = torch.zeros(n, channels, t + 2, h + 2, w + 2, device=DEVICE).to(memory_format=torch.channels_last_3d)
-    group_norm.frame_group_norm_silu_triton(x, norm, buffer[:, :, 2:, 1:-1, 1:-1])
+    group_norm.frame_group_norm_silu_triton(x, norm, buffer[:, :, 2:, 1:-1, 1:-1], bias)
     assert max_err(buffer[:, :, 2:, 1:-1, 1:-1].double().cpu(), want) < 1e-4
     assert buffer[:, :, :2].abs().max() == 0 and buffer[..., 0].abs().max() == 0  # nothing written outside
 
@@ -217,6 +250,47 @@ def test_scaled_residual_norm_kernel_matches_eager(out_dtype, tol):
     assert max_err(kernels.scaled_residual_norm(x, None, None, weight, norm.eps, out_dtype)[1].float().cpu(),
                    want_norm.float()) < tol
     assert max_err(kernels.scaled_residual_norm(x, y, gate, None, None, None)[0].cpu(), want_residual) < 1e-5
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_residual_bias_kernel_adds_skip_and_bias_in_place(dtype, tol):
+    kernels = load_kernels("engine.kernels.fused_triton")
+    g = torch.Generator().manual_seed(0)
+    h, skip = (torch.randn(2, 12, 3, 5, 7, generator=g).to(memory_format=torch.channels_last_3d) for _ in range(2))
+    bias = torch.randn(12, generator=g)
+    want = h + skip + bias.view(-1, 1, 1, 1)
+    assert max_err(fused.residual_bias(h.clone(), skip, bias), want) < 1e-6  # the eager path
+    x = h.to(DEVICE, dtype)
+    got = kernels.residual_bias(x, skip.to(DEVICE, dtype), bias.to(DEVICE))
+    assert got is x and got.dtype == dtype
+    assert max_err(got.float().cpu(), want) < tol * want.abs().max().item()
+
+
+def test_scaled_residual_norm_kernel_quantizes_fp8_rows_as_the_reference():
+    kernels = load_kernels("engine.kernels.fused_triton")
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(2, 11, 53, generator=g) for _ in range(2))
+    x[0, 3] *= 1e3  # rows of very different ranges: one scale each
+    gate = 0.3 * torch.randn(53, generator=g)
+    norm = nn.RMSNorm(53, eps=1e-5)
+    norm.weight.data = 1 + 0.2 * torch.randn(53, generator=g)
+    with torch.no_grad():
+        want_x, want = fused.scaled_residual_norm(x, y, gate, norm, torch.bfloat16, fp8_rows=True)
+        want_alone = fused.rms_norm(x, norm, torch.bfloat16, fp8_rows=True)
+    assert isinstance(want, fused.Fp8Rows) and want.dtype == torch.bfloat16 and want.scale.shape == (2, 11, 1)
+    x, y, gate, weight = (t.to(DEVICE) for t in (x, y, gate, norm.weight.detach()))
+    got_x, (q, scale) = kernels.scaled_residual_norm(x, y, gate, weight, norm.eps, torch.float8_e4m3fn)
+    q_alone, scale_alone = kernels.scaled_residual_norm(x, None, None, weight, norm.eps, torch.float8_e4m3fn)[1]
+    assert max_err(got_x.cpu(), want_x) < 1e-5
+    for (q, scale), want in ((q, scale), want), ((q_alone, scale_alone), want_alone):
+        assert q.dtype == torch.float8_e4m3fn and scale.shape == want.scale.shape
+        assert torch.allclose(scale.cpu(), want.scale, rtol=1e-5)
+        q, codes = q.cpu().float(), want.q.float()
+        apart = q != codes
+        if DEVICE == "cpu":  # triton 3.6's interpreter casts a value just under a power of two an octave down
+            assert torch.equal(2 * q[apart], codes[apart])  # (125 -> 64, not 128); the GPU's cvt rounds as torch
+        else:
+            assert apart.float().mean() < 0.01  # its fp32 division may round a tie the other way
 
 
 # --- on a GPU ----------------------------------------------------------------------------------------------------

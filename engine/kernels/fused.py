@@ -8,17 +8,41 @@ maths below, which is the eager block exactly (so CPU results do not change).
 
 The plain pre-norm blocks (the video VAE's ViT decoder) have per-channel layer scales instead of AdaLN tables and
 keep an fp32 residual stream under half-precision GEMMs: `rms_norm`, `scaled_residual` and `scaled_residual_norm`.
+Ahead of an fp8 GEMM their norm can come quantized row by row (`Fp8Rows`): the pass that writes it also takes each
+row's abs-max, so the GEMM's input is never written in half precision and read back to be quantized.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.kernels import capability
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+class Fp8Rows(NamedTuple):
+    """An fp8 GEMM's input quantized per row: e4m3 codes [..., K], fp32 scales [..., 1] (q * scale ~ the rows), and
+    the dtype the GEMM writes its output in."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.q.float() * self.scale).to(self.dtype)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] -> (e4m3 codes [..., K], fp32 [..., 1] amax / 448 of each row): the reference maths."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-30)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 @functools.cache
@@ -67,13 +91,16 @@ def gated_residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, ro
     return x, modulated_rms_norm(x, norm, shift, scale, rows)
 
 
-def rms_norm(x: torch.Tensor, norm: nn.RMSNorm, dtype: torch.dtype) -> torch.Tensor:
-    """norm(x) computed in fp32, returned in `dtype` (a half-precision GEMM's input)."""
+def rms_norm(x: torch.Tensor, norm: nn.RMSNorm, dtype: torch.dtype, fp8_rows: bool = False) -> torch.Tensor | Fp8Rows:
+    """norm(x) computed in fp32, returned in `dtype` (a half-precision GEMM's input), or with `fp8_rows` quantized
+    for an fp8 GEMM that writes `dtype`."""
     if _triton(x):
         from engine.kernels import fused_triton
 
-        return fused_triton.scaled_residual_norm(x, None, None, norm.weight, norm.eps, dtype)[1]
-    return norm(x.float()).to(dtype)
+        h = fused_triton.scaled_residual_norm(x, None, None, norm.weight, norm.eps, FP8 if fp8_rows else dtype)[1]
+        return Fp8Rows(*h, dtype) if fp8_rows else h
+    h = norm(x.float())
+    return Fp8Rows(*quantize_fp8_rows(h), dtype) if fp8_rows else h.to(dtype)
 
 
 def scaled_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -85,15 +112,27 @@ def scaled_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> tor
     return (x + y * gate).to(x.dtype)
 
 
-def scaled_residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, norm: nn.RMSNorm,
-                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + y * gate, and rms_norm of that in `dtype`): the attention residual and the MLP's input at once."""
+def scaled_residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, norm: nn.RMSNorm, dtype: torch.dtype,
+                         fp8_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
+    """(x + y * gate, and rms_norm of that as `rms_norm` gives it): the attention residual and the MLP's input at
+    once."""
     if _triton(x):
         from engine.kernels import fused_triton
 
-        return fused_triton.scaled_residual_norm(x, y, gate, norm.weight, norm.eps, dtype)
+        x, h = fused_triton.scaled_residual_norm(x, y, gate, norm.weight, norm.eps, FP8 if fp8_rows else dtype)
+        return x, Fp8Rows(*h, dtype) if fp8_rows else h
     x = scaled_residual(x, y, gate)
-    return x, rms_norm(x, norm, dtype)
+    return x, rms_norm(x, norm, dtype, fp8_rows)
+
+
+def residual_bias(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x += y + bias in place: x and y [N, C, T, H, W], bias [C] (a convolution's output, its skip, and the biases
+    the convolutions left out, in one pass instead of three)."""
+    if _triton(x) and x.stride() == y.stride() and x.is_contiguous(memory_format=torch.channels_last_3d):
+        from engine.kernels import fused_triton
+
+        return fused_triton.residual_bias(x, y, bias.float().contiguous())
+    return x.add_(y).add_(bias.view(-1, 1, 1, 1))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

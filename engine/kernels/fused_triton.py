@@ -67,8 +67,8 @@ def residual_norm(x, y, gate, rows, weight=None, eps=None, shift=None, scale=Non
 
 
 @triton.jit
-def _scaled_residual_norm_kernel(X, Y, GATE, W, OUT_X, OUT_H, N, eps,
-                                 RESIDUAL: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr):
+def _scaled_residual_norm_kernel(X, Y, GATE, W, OUT_X, OUT_H, OUT_SCALE, N, eps,
+                                 RESIDUAL: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -81,24 +81,47 @@ def _scaled_residual_norm_kernel(X, Y, GATE, W, OUT_X, OUT_H, N, eps,
         x = stored.to(tl.float32)
     if NORM:
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(OUT_H + row * N + cols, (x * rstd * w).to(OUT_H.dtype.element_ty), mask=ok)
+        h = x * rstd * tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+        if FP8:  # the row quantized for an fp8 GEMM: e4m3 codes and the row's scale amax / 448
+            scale = tl.maximum(tl.max(tl.abs(h), axis=0) / 448.0, 1e-30)
+            h = tl.minimum(tl.maximum(h / scale, -448.0), 448.0)
+            tl.store(OUT_SCALE + row, scale)
+        tl.store(OUT_H + row * N + cols, h.to(OUT_H.dtype.element_ty), mask=ok)
 
 
 def scaled_residual_norm(x, y, gate, weight, eps, out_dtype):
-    """(x + y * gate when `y` is given, else x; and rms_norm(that) * weight in `out_dtype` when `weight` is given,
-    else None); gate and weight are per-channel [N] vectors."""
+    """(x + y * gate when `y` is given, else x; and rms_norm(that) * weight when `weight` is given, else None); gate
+    and weight are per-channel [N] vectors. The norm comes in `out_dtype`, or for float8_e4m3fn as (its rows quantized,
+    fp32 scales [rows, 1]) for an fp8 GEMM."""
     x = x.contiguous()
     N = x.shape[-1]
-    residual, norm = y is not None, weight is not None
+    residual, norm, fp8 = y is not None, weight is not None, out_dtype == torch.float8_e4m3fn
     out_x = torch.empty_like(x) if residual else x
     out_h = torch.empty_like(x, dtype=out_dtype) if norm else None
+    scale = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device) if norm and fp8 else None
     _scaled_residual_norm_kernel[(x.numel() // N,)](
         x, y.contiguous() if residual else x, gate if residual else x, weight if norm else x, out_x,
-        out_h if norm else x, N, float(eps or 0.0),
-        RESIDUAL=residual, NORM=norm, BLOCK=triton.next_power_of_2(N), num_warps=8,
+        out_h if norm else x, scale if scale is not None else x, N, float(eps or 0.0),
+        RESIDUAL=residual, NORM=norm, FP8=scale is not None, BLOCK=triton.next_power_of_2(N), num_warps=8,
     )
-    return out_x, out_h
+    return out_x, (out_h, scale) if scale is not None else out_h
+
+
+@triton.jit
+def _residual_bias_kernel(X, Y, BIAS, numel, C, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < numel
+    x = tl.load(X + offsets, mask=ok, other=0.0).to(tl.float32)
+    y = tl.load(Y + offsets, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(BIAS + offsets % C, mask=ok, other=0.0)
+    tl.store(X + offsets, (x + y + b).to(X.dtype.element_ty), mask=ok)
+
+
+def residual_bias(x, y, bias, block=4096):
+    """x += y + bias for channels-last x and y of one layout (channels innermost), bias fp32 [C]."""
+    _residual_bias_kernel[(triton.cdiv(x.numel(), block),)](x, y, bias, x.numel(), x.shape[1], BLOCK=block,
+                                                             num_warps=8)
+    return x
 
 
 @triton.jit

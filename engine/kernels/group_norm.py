@@ -18,25 +18,31 @@ def _channels_last(x: torch.Tensor) -> bool:
     return x.permute(0, 2, 3, 4, 1).is_contiguous()
 
 
-def frame_group_norm_silu(x: torch.Tensor, norm: nn.GroupNorm, out: torch.Tensor) -> torch.Tensor:
-    """out = silu(GroupNorm of each frame of x [N, C, T, H, W]) in out's dtype; out [N, C, T, H, W], any strides."""
+def frame_group_norm_silu(x: torch.Tensor, norm: nn.GroupNorm, out: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out = silu(GroupNorm of each frame of x [N, C, T, H, W]) in out's dtype; out [N, C, T, H, W], any strides.
+    `bias` [C]: the norm's input is x + bias (a convolution's bias folded in here: no pass of its own)."""
     if fused._triton(x) and _channels_last(x):
-        return frame_group_norm_silu_triton(x, norm, out)
+        return frame_group_norm_silu_triton(x, norm, out, bias)
+    x = x if bias is None else x + bias.view(-1, 1, 1, 1)
     n, c, t, h, w = x.shape
     folded = x.permute(0, 2, 1, 3, 4).reshape(n * t, c, h, w)
     y = F.silu(F.group_norm(folded, norm.num_groups, norm.weight, norm.bias, norm.eps))
     return out.copy_(y.view(n, t, c, h, w).permute(0, 2, 1, 3, 4))
 
 
-def frame_group_norm_silu_triton(x: torch.Tensor, norm: nn.GroupNorm, out: torch.Tensor) -> torch.Tensor:
-    """The Triton path of `frame_group_norm_silu`, for a channels-last x."""
+def frame_group_norm_silu_triton(x: torch.Tensor, norm: nn.GroupNorm, out: torch.Tensor,
+                                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton path of `frame_group_norm_silu`, for a channels-last x. A bias leaves the shifted sums as they are
+    (they are taken from each channel's first pixel): it moves the channel means, and the shift applied below."""
     from engine.kernels import group_norm_triton
 
     n, c, t, h, w = x.shape
     rows = x.permute(0, 2, 3, 4, 1).view(n * t, h * w, c)
     s1, s2 = group_norm_triton.shifted_sums(rows)
     pixels, groups = h * w, norm.num_groups
-    channel_mean = rows[:, 0].float() + s1 / pixels
+    bias = torch.zeros(c, device=x.device) if bias is None else bias.float()
+    channel_mean = rows[:, 0].float() + bias + s1 / pixels
     channel_m2 = (s2 - s1 * s1 / pixels).view(n * t, groups, -1)
     channel_mean = channel_mean.view(n * t, groups, -1)
     mean = channel_mean.mean(-1, keepdim=True)
@@ -44,6 +50,6 @@ def frame_group_norm_silu_triton(x: torch.Tensor, norm: nn.GroupNorm, out: torch
     m2 = channel_m2.sum(-1, keepdim=True) + pixels * (channel_mean - mean).square().sum(-1, keepdim=True)
     rstd = torch.rsqrt(m2 / (pixels * channel_m2.shape[-1]) + norm.eps)
     a = (rstd * norm.weight.float().view(groups, -1)).view(n * t, c)
-    b = norm.bias.float() - (mean * a.view(n * t, groups, -1)).view(n * t, c)
+    b = norm.bias.float() - (mean * a.view(n * t, groups, -1)).view(n * t, c) + bias * a
     group_norm_triton.scale_shift_silu(rows, a.contiguous(), b.contiguous(), out)
     return out

@@ -57,6 +57,10 @@ def init_ranks(device_name: str) -> RankContext:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR)  # read when CUDA starts, just below
         torch.cuda.set_device(device)
     if world_size == 1:
+        # The VAEs' 3-D convolutions repeat one shape per canvas: cuDNN times its algorithms once per shape and keeps
+        # the fastest (as benchmarks/h3_vae.py and seedvr2.py measure them). Not across ranks: each rank encodes the
+        # same source and could time a different algorithm into slightly different latents.
+        torch.backends.cudnn.benchmark = device.type == "cuda"
         return RankContext(0, 1, device)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink SHARP (multicast) off: not every host allows it
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from diffusers import AutoencoderKLMiniMaxH3
 
-from engine.kernels import fused
+from engine.kernels import capability, fused
 from engine.kernels.attention import dense
 from engine.kernels.group_norm import frame_group_norm_silu
 from engine.quant import transform
@@ -156,10 +156,13 @@ class DecoderBlock(nn.Module):
         self.ff = SwiGLU(dim, inner)
         self.scale2 = nn.Parameter(torch.empty(dim))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        h = fused.rms_norm(x, self.norm1, dtype)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,
+                fp8_rows: bool = False) -> torch.Tensor:
+        """`fp8_rows`: both norms hand their fp8 GEMMs (qkv, ff.fc1) the rows quantized."""
+        h = fused.rms_norm(x, self.norm1, dtype, fp8_rows)
         q, k, v = fused.qk_norm_rope(self.qkv(h), self.heads, self.qk_norm, self.qk_norm, rope, head_major=True)
-        x, h = fused.scaled_residual_norm(x, self.out(dense(q, k, v).flatten(2)), self.scale1, self.norm2, dtype)
+        x, h = fused.scaled_residual_norm(x, self.out(dense(q, k, v).flatten(2)), self.scale1, self.norm2, dtype,
+                                          fp8_rows)
         return fused.scaled_residual(x, self.ff(h), self.scale2)
 
 
@@ -171,6 +174,7 @@ class ViTDecoder(nn.Module):
         c = config
         dim = c.decoder_num_attention_heads * c.decoder_attention_head_dim
         self.dtype = dtype
+        self.fp8_rows = False  # the block GEMMs are fp8 ones that take their inputs quantized by the norms
         self.patch = math.prod(c.spatial_downsample_factors)
         self.patch_t = math.prod(c.temporal_downsample_factors)
         self.num_registers = c.decoder_num_register_tokens
@@ -191,7 +195,8 @@ class ViTDecoder(nn.Module):
     def from_diffusers(cls, model: AutoencoderKLMiniMaxH3, dtype: torch.dtype, device: torch.device,
                        fp8: bool = False) -> "ViTDecoder":
         """The decoder's weights packed once: GEMM weights and biases in `dtype`, norms, layer scales, registers and
-        the two small input projections in fp32; with `fp8` the block GEMMs in float8 e4m3 (engine.quant.fp8)."""
+        the two small input projections in fp32; with `fp8` the block GEMMs in float8 e4m3 (engine.quant.fp8), fed
+        by the norms' quantized rows where the device has fp8 GEMMs."""
         with torch.device("meta"):
             decoder = cls(model.config, dtype)
         decoder.load_state_dict(_packed_decoder_weights(model, dtype, device), assign=True)
@@ -202,6 +207,7 @@ class ViTDecoder(nn.Module):
                                                  for i in range(len(decoder.blocks))
                                                  for name in ("qkv", "out", "ff.fc1", "ff.fc2")})
             transform.fuse_swiglu(decoder, SwiGLU)  # fc2 quantizes silu(gate) * up on the way in
+            decoder.fp8_rows = capability.fp8_gemm(device.type, capability.capability(device))
         return decoder
 
     def tokens(self, shape: torch.Size) -> int:
@@ -225,7 +231,7 @@ class ViTDecoder(nn.Module):
         x = torch.cat([x, self.register_tokens.expand(n, -1, -1), x.new_zeros(n, 1, x.shape[-1])], dim=1)
         rope = self._rope(t, h, w, x.device)
         for block in self.blocks:
-            x = block(x, rope, self.dtype)
+            x = block(x, rope, self.dtype, self.fp8_rows)
         x = self.proj_out(self.norm_out(x[:, :tokens]).to(self.dtype))
         p, pt = self.patch, self.patch_t
         x = x.view(n, t, h, w, -1, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7)
@@ -315,20 +321,25 @@ class CausalEncoder(nn.Module):
         interior.copy_(x)
         return _fill_padding(buffer, front, top, bottom, left, right)
 
-    def _norm_silu_padded(self, x: torch.Tensor, norm: nn.GroupNorm) -> torch.Tensor:
-        """The input of a k3 convolution after a per-frame GroupNorm + SiLU (2 causal frames, reflect 1)."""
+    def _norm_silu_padded(self, x: torch.Tensor, norm: nn.GroupNorm, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The input of a k3 convolution after a per-frame GroupNorm + SiLU of x + bias (2 causal frames, reflect 1)."""
         buffer, interior = _padded(x, 2, 1, 1, 1, 1, self.dtype, self.memory_format)
-        frame_group_norm_silu(x, norm, interior)
+        frame_group_norm_silu(x, norm, interior, bias)
         return _fill_padding(buffer, 2, 1, 1, 1, 1)
 
     @staticmethod
-    def _conv(conv: nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
-        return F.conv3d(x, conv.weight, conv.bias, stride=conv.stride)
+    def _conv(conv: nn.Conv3d, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        return F.conv3d(x, conv.weight, conv.bias if bias else None, stride=conv.stride)
 
     def _resnet(self, block, x: torch.Tensor) -> torch.Tensor:
-        h = self._conv(block.conv1, self._norm_silu_padded(x, block.norm1))
-        h = self._conv(block.conv2, self._norm_silu_padded(h, block.norm2))
-        return h.add_(x if block.conv_shortcut is None else self._conv(block.conv_shortcut, x))
+        # cuDNN adds a convolution's bias in a pass of its own; inside the block the biases go where a pass is made
+        # anyway: conv1's into norm2, conv2's and the shortcut's into the residual sum.
+        h = self._conv(block.conv1, self._norm_silu_padded(x, block.norm1), bias=False)
+        h = self._conv(block.conv2, self._norm_silu_padded(h, block.norm2, block.conv1.bias), bias=False)
+        if block.conv_shortcut is None:
+            return fused.residual_bias(h, x, block.conv2.bias)
+        skip = self._conv(block.conv_shortcut, x, bias=False)
+        return fused.residual_bias(h, skip, block.conv2.bias.float() + block.conv_shortcut.bias.float())
 
     def _downsample(self, down, x: torch.Tensor) -> torch.Tensor:
         # Strided conv: 2 causal frames, and at spatial stride 2 one reflected row and column at the bottom / right.
