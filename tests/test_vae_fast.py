@@ -172,6 +172,21 @@ def test_encode_matches_diffusers(vae, untiled, num_frames, tiled):
 
 
 @torch.no_grad()
+def test_encoder_with_its_biases_folded_as_on_a_gpu_matches_diffusers(vae):
+    """The CUDA path's bias folding (conv1's into norm2, conv2's and the shortcut's into the residual sum), run in
+    fp32 on the CPU: diffusers' latents to rounding."""
+    encoder = vae.fast_encoder()
+    x = pixels(1, 22, HEIGHT, ENCODE_WIDTH, seed=22)
+    encoder.fold_biases = True
+    try:
+        ours = vae._encoded_clips(x, lambda: None)
+    finally:
+        encoder.fold_biases = False
+    assert max_err(ours, vae.model._encode(x)) < TOL
+    assert not torch.equal(ours, vae._encoded_clips(x, lambda: None))  # the folded order of additions did run
+
+
+@torch.no_grad()
 def test_encode_of_a_batch_and_its_posterior_match_diffusers(vae):
     """Two videos at once (training encodes batches), frame count off the 17n + 5 rule (padded by repetition)."""
     x = pixels(2, 10, HEIGHT, ENCODE_WIDTH, seed=6)

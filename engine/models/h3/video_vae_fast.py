@@ -310,6 +310,10 @@ class CausalEncoder(nn.Module):
         super().__init__()
         self.dtype = dtype
         self.memory_format = torch.channels_last_3d if device.type == "cuda" else torch.contiguous_format
+        # cuDNN adds a convolution's bias in a pass of its own: inside each ResNet block the biases go where a pass is
+        # made anyway (conv1's into norm2, conv2's and the shortcut's into the residual sum). The CPU keeps diffusers'
+        # order of additions, so its latents stay diffusers' to the bit.
+        self.fold_biases = device.type == "cuda"
         self.encoder = copy.deepcopy(model.encoder).to(device).requires_grad_(False).eval()
         for module in self.encoder.modules():
             if isinstance(module, nn.Conv3d):
@@ -332,14 +336,15 @@ class CausalEncoder(nn.Module):
         return F.conv3d(x, conv.weight, conv.bias if bias else None, stride=conv.stride)
 
     def _resnet(self, block, x: torch.Tensor) -> torch.Tensor:
-        # cuDNN adds a convolution's bias in a pass of its own; inside the block the biases go where a pass is made
-        # anyway: conv1's into norm2, conv2's and the shortcut's into the residual sum.
-        h = self._conv(block.conv1, self._norm_silu_padded(x, block.norm1), bias=False)
-        h = self._conv(block.conv2, self._norm_silu_padded(h, block.norm2, block.conv1.bias), bias=False)
-        if block.conv_shortcut is None:
-            return fused.residual_bias(h, x, block.conv2.bias)
-        skip = self._conv(block.conv_shortcut, x, bias=False)
-        return fused.residual_bias(h, skip, block.conv2.bias.float() + block.conv_shortcut.bias.float())
+        fold = self.fold_biases
+        h = self._conv(block.conv1, self._norm_silu_padded(x, block.norm1), bias=not fold)
+        h = self._conv(block.conv2, self._norm_silu_padded(h, block.norm2, block.conv1.bias if fold else None),
+                       bias=not fold)
+        skip = x if block.conv_shortcut is None else self._conv(block.conv_shortcut, x, bias=not fold)
+        if not fold:
+            return h.add_(skip)
+        bias = block.conv2.bias.float() + (0 if block.conv_shortcut is None else block.conv_shortcut.bias.float())
+        return fused.residual_bias(h, skip, bias)
 
     def _downsample(self, down, x: torch.Tensor) -> torch.Tensor:
         # Strided conv: 2 causal frames, and at spatial stride 2 one reflected row and column at the bottom / right.
