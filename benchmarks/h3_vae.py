@@ -3,7 +3,8 @@ run, on full-size random weights of the released config.
 
   1. Decode of 37 latents [1, 24, 37, 48, 84] = 124 frames at 1344x768 (7 clips x 28 tiles of 256 px):
      diffusers fp32 (the oracle), diffusers fp16 (the released recipe: fp16 autocast over the cast weights), ours
-     fp16, bf16 and fp8 (bf16 activations), ours fp16 to uint8 host frames (what the engine streams).
+     fp16, bf16 and fp8 (bf16 activations; fast accumulation, and exact for comparison), ours fp16 to uint8 host
+     frames (what the engine streams).
   2. Encode of 124 frames at 1344x768 (the keyframe recipe, `encode_frames`): diffusers fp32 (as released),
      diffusers fp16 autocast, ours bf16 (the default) and fp16.
 
@@ -33,6 +34,7 @@ from benchmarks.timing import Measured, measure  # noqa: E402
 from engine.kernels import attention as attn  # noqa: E402
 from engine.models.h3 import vae as V  # noqa: E402
 from engine.models.h3.video_vae_fast import TileGrid  # noqa: E402
+from engine.quant.fp8 import Fp8Linear  # noqa: E402
 
 GiB = 2**30
 
@@ -136,6 +138,13 @@ def decode(args, vae, device) -> None:
         add_row("decode", name, run, flops, psnr=psnr(run.result, oracle, vae), compute=dtype_name(
             vae.fast_decoder().dtype))
         del run
+    for layer in vae.fast_decoder().modules():  # the fp8 tier's GEMMs with fp32 promotion, for comparison
+        if isinstance(layer, Fp8Linear):
+            layer.fast_accum = False
+    run = measure(floats, device, 1, args.iters)
+    add_row("decode", "ours fp8, exact accumulation", run, flops, psnr=psnr(run.result, oracle, vae),
+            compute=dtype_name(vae.fast_decoder().dtype))
+    del run
     vae.decode_dtype, vae.decode_fp8 = torch.float16, False
     add_row("decode", "ours fp16 -> uint8 host frames", measure(lambda: vae.decode(z), device, 1, args.iters), flops)
     vae.reference = True  # casts diffusers' decoder weights to fp16 in place: the fp32 oracle ran first

@@ -10,6 +10,7 @@ import torch.nn as nn
 from engine.kernels import fused, group_norm
 from engine.models.h3 import vae as V
 from engine.models.h3.video_vae_fast import TileGrid, decode_clips, encode_video
+from engine.quant.fp8 import Fp8Linear
 from engine.quant.transform import QuantSwiGLU
 from triton_interpreter import load_kernels
 
@@ -124,6 +125,8 @@ def test_fp8_decoder_runs_dequantized_on_the_cpu(vae):
     vae.decode_fp8 = True
     try:
         assert isinstance(vae.fast_decoder().blocks[0].ff, QuantSwiGLU)
+        gemms = [m for m in vae.fast_decoder().modules() if isinstance(m, Fp8Linear)]
+        assert len(gemms) == 4 * len(vae.fast_decoder().blocks) and all(g.fast_accum for g in gemms)
         approx = torch.cat(list(vae._decoded_chunks(z)), dim=2)
     finally:
         vae.decode_fp8 = False

@@ -45,6 +45,9 @@ class Fp8Linear(nn.Module):
         self.register_buffer("input_scale", torch.empty((), dtype=torch.float32) if input_scale else None)
         self.register_buffer("bias", torch.empty(out_features) if bias else None)
         self.scaled_mm: bool | None = None  # None: decided from the device on the first call
+        # Hopper's fp8 tensor cores accumulate in ~22 bits unless the GEMM promotes to fp32 every few k-blocks
+        # (exact, slower): fast accumulation is for callers that accept the error (the VAE decoder's fp8 tier).
+        self.fast_accum = False
 
     def forward(self, x: torch.Tensor | Fp8Rows, input_act: str | None = None) -> torch.Tensor:
         """`input_act="swiglu"`: x holds fc1's [gate; value] output and fc2 computes on its SwiGLU. x may come
@@ -69,7 +72,8 @@ class Fp8Linear(nn.Module):
         w_scale = (self.weight_scale if x_scale.dim() == 0
                    else self.weight_scale.reshape(1, 1).expand(1, self.out_features).contiguous())
         bias = None if self.bias is None else self.bias.to(out_dtype)
-        out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=out_dtype)
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=out_dtype,
+                               use_fast_accum=self.fast_accum)
         return out.reshape(*lead, self.out_features)
 
     def _quantized_input(self, rows: torch.Tensor, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ from engine.kernels import capability, fused
 from engine.kernels.attention import dense
 from engine.kernels.group_norm import frame_group_norm_silu
 from engine.quant import transform
+from engine.quant.fp8 import Fp8Linear
 
 # One decoder call: ~64 KiB of activations per token at width 2048 (fp32 residual, half GEMM outputs, the 2 x 8192
 # SwiGLU input), so ~4 GiB; 36 released 256-px tiles (1797 tokens each) make GEMMs of 65 k rows.
@@ -196,7 +197,7 @@ class ViTDecoder(nn.Module):
                        fp8: bool = False) -> "ViTDecoder":
         """The decoder's weights packed once: GEMM weights and biases in `dtype`, norms, layer scales, registers and
         the two small input projections in fp32; with `fp8` the block GEMMs in float8 e4m3 (engine.quant.fp8), fed
-        by the norms' quantized rows where the device has fp8 GEMMs."""
+        by the norms' quantized rows and accumulating fast where the device has fp8 GEMMs."""
         with torch.device("meta"):
             decoder = cls(model.config, dtype)
         decoder.load_state_dict(_packed_decoder_weights(model, dtype, device), assign=True)
@@ -208,6 +209,9 @@ class ViTDecoder(nn.Module):
                                                  for name in ("qkv", "out", "ff.fc1", "ff.fc2")})
             transform.fuse_swiglu(decoder, SwiGLU)  # fc2 quantizes silu(gate) * up on the way in
             decoder.fp8_rows = capability.fp8_gemm(device.type, capability.capability(device))
+            for layer in decoder.modules():
+                if isinstance(layer, Fp8Linear):
+                    layer.fast_accum = True
         return decoder
 
     def tokens(self, shape: torch.Size) -> int:
