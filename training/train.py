@@ -314,7 +314,8 @@ def extension_rows(T: int, rng) -> tuple[int, int, float]:
 
 
 def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, caption_drop: float = 0.0,
-             teacher=None, guidance: float = 1.0, video_shift: float = VIDEO_SHIFT) -> torch.Tensor:
+             teacher=None, guidance: float = 1.0, video_shift: float = VIDEO_SHIFT,
+             noise_gen: torch.Generator | None = None) -> torch.Tensor:
     """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
@@ -322,7 +323,8 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     level with its clean audio, on a shifted clock (extension), an image reference (the clip's middle frame at the
     reference size) noised likewise and a clean sound reference (its first seconds), the prompt presenting both
     (ref2va). With a `teacher`, the target is its velocity guided by `guidance` (training/guidance.py), else the
-    flow's, with a `caption_drop` share of the prompts zeroed."""
+    flow's, with a `caption_drop` share of the prompts zeroed. The noise comes from `noise_gen` (a generator on the
+    device: drawn on the host, a batch's noise costs more than its step) or else `gen`."""
     device = batch[0]["video"].device
     x0v = L.patchify(torch.stack([b["video"] for b in batch]))
     x0a = L.pack_audio(torch.stack([b["audio"] for b in batch]))
@@ -334,7 +336,8 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     patch = dit.config.patch_size[1:]
 
     def noise(like):
-        return torch.randn(like.shape, generator=gen, device="cpu").to(device)
+        source = noise_gen or gen
+        return torch.randn(like.shape, generator=source, device=source.device).to(device)
 
     u = torch.rand((), generator=gen)
     s_v, s_a = float(sigma(u, video_shift)), float(sigma(u, AUDIO_SHIFT))
@@ -518,6 +521,8 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     names, shares = list(TASKS), np.array(list(TASKS.values()))
     groups = by_caption_length(pipe, data)
     sizes = np.array([len(g) for g in groups], dtype=float)
+    # Noise drawn on the device; the loss summed there, read once per log line (no host sync per step).
+    noise_gen = torch.Generator(pipe.device).manual_seed(int(torch.randint(1 << 62, (), generator=gen)))
     total, every = 0.0, 1 if max_steps else 100
     t0 = t_every = time.monotonic()
     for step in timed_steps(budget_s, max_steps):
@@ -530,17 +535,18 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
             group = groups[int(rng.choice(len(groups), p=sizes / sizes.sum()))]
             picks = [group[int(i)] for i in rng.integers(len(group), size=batch)]
         loss = dit_loss(dit, [data[i] for i in picks], task, rng, gen, caption_drop, teacher, guidance,
-                        pipe.video_shift)
+                        pipe.video_shift, None if max_steps else noise_gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         with torch.no_grad():
             torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - (0 if max_steps else EMA))
-        total += loss.item()
+        total += loss.detach()
         if (step + 1) % every == 0:
+            mean = float(total) / every
             ms = (time.monotonic() - t_every) * 1000 / every
-            log("dit", step + 1, max_steps, loss=total / every, lr=opt.param_groups[0]["lr"], ms_per_step=ms)
+            log("dit", step + 1, max_steps, loss=mean, lr=opt.param_groups[0]["lr"], ms_per_step=ms)
             total, t_every = 0.0, time.monotonic()
         if not max_steps and step and step % eval_every == 0:
             log("eval", step, None, **evaluate(pipe, eval_scenes, 9))
