@@ -175,7 +175,8 @@ def degraded(spans: list[np.ndarray], rng, workers: int) -> list[np.ndarray]:
 
 def train_dit(dit, vae, text, clips, budget_s, batch, log, rng, max_steps=None, lr=3e-4) -> None:
     """One-step restoration on pairs encoded once (two windows of every clip, DIT_WINDOWS long in turn, each with its
-    own degradation)."""
+    own degradation); the encoding counts against `budget_s`."""
+    end = time.monotonic() + budget_s
     dit.float().train().requires_grad_(True)
     opt = torch.optim.AdamW(dit.parameters(), lr=lr, weight_decay=0.01, fused=x_device(dit).type == "cuda")
     lengths = (WINDOW,) if max_steps else DIT_WINDOWS
@@ -187,6 +188,7 @@ def train_dit(dit, vae, text, clips, budget_s, batch, log, rng, max_steps=None, 
              for hr, lq, seed in zip(spans, degraded(spans, rng, 1 if max_steps else 8), seeds)]
     log("sr_pairs", len(pairs))
     total, every, start = 0.0, 1 if max_steps else 100, time.monotonic()
+    budget_s = max(1.0, end - start)
     for step in timed_steps(budget_s, max_steps):
         decayed_lr(opt, lr, start, budget_s)
         opt.zero_grad(set_to_none=True)
