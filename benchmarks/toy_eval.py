@@ -1,11 +1,11 @@
 """How the trained embedded default does on the toy world, scored from decoded frames and sound alone
 (training/scoring.py): t2va over captions of held-out scenes (colour, motion, background, pitch, clicks, rain; the
 share of clips passing each check, all of them, and the issue's four named ones) and fl2va (PSNR of generated frame
-0 against the rendered first frame, and of the last frame when both keyframes are given), the video VAE's reconstruction and the t2va checks on
-each clip round-tripped through both VAEs (the most a DiT can reach), masked edits of two-object clips (removal,
-replacement, sky repaint) and 5 s -> 15 s extensions (training/task_checks.py), and the
-trained SeedVR2 on degraded 2x clips against their bicubic upscale, and VSA's frames against dense attention's for
-the same seed. Prints a table and writes JSON.
+0 against the rendered first frame, and of the last frame when both keyframes are given), the video VAE's
+reconstruction and the t2va checks on each clip round-tripped through both VAEs (the most a DiT can reach), masked
+edits of two-object clips (removal, replacement, sky repaint) and 5 s -> 15 s extensions (training/task_checks.py),
+and the trained SeedVR2 on degraded 2x clips against their bicubic upscale, and VSA's frames against dense
+attention's for the same seed. Prints a table and writes JSON.
 
     python benchmarks/toy_eval.py --weights engine/weights/toy --captions 20 --out benchmarks/results/toy_eval.json
     python benchmarks/toy_eval.py --steps 16 --video-shift 3 ...   # another sampler than the DiT file's
