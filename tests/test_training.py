@@ -1,6 +1,6 @@
-"""The training script's CPU smoke run (`python -m training.train --smoke`): every stage (video VAE, audio VAE, DiT)
-takes a few steps on one batch and its loss falls, and the files it writes are Comfy-Org single files the engine's
-strict loaders read (the embedded architecture recognised from the text encoder's header)."""
+"""The training script's CPU smoke run (`python -m training.train --smoke`): every stage (video VAE, audio VAE, text
+encoder, DiT) takes a few steps on one batch and its loss falls, and the files it writes are Comfy-Org single files
+the engine's strict loaders read (the embedded architecture recognised from the text encoder's header)."""
 
 import json
 import subprocess
@@ -19,7 +19,7 @@ def test_smoke_run_lowers_every_loss_and_writes_loadable_files(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "smoke_log.jsonl").read_text().splitlines()]
-    for stage, key in (("video_vae", "recon"), ("audio_vae", "loss"), ("dit", "loss")):
+    for stage, key in (("video_vae", "recon"), ("audio_vae", "loss"), ("text", "loss"), ("dit", "loss")):
         losses = [r[key] for r in rows if r["stage"] == stage]
         assert len(losses) == 6 and losses[-1] < losses[0], (stage, losses)
     assert any(r["stage"] == "eval" and "t2va_pass" in r for r in rows)  # the scoring path ran
@@ -195,3 +195,28 @@ def test_a_fresh_video_decoder_keeps_the_latents(tmp_path):
     losses = [json.loads(line)["recon"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert torch.equal(encode_video(vae, clips[0]), before)
+
+
+def test_text_encoder_stage_labels_every_attribute_a_caption_names():
+    """`attributes` gives each of ATTRIBUTES a class within its count, the second object's 0 when there is none, and
+    scenes whose captions differ in one word differ in exactly that attribute; the readout has a head per attribute."""
+    from dataclasses import replace
+
+    from training.text_encoder import ATTRIBUTES, SceneReadout, attributes
+    from training.toy_scene import sample_scene
+
+    scenes = [sample_scene(seed) for seed in range(40)]
+    assert {len(s.objects) for s in scenes} == {1, 2}
+    names = list(ATTRIBUTES)
+    for scene in scenes:
+        classes = dict(zip(names, attributes(scene)))
+        assert all(0 <= classes[k] < n for k, n in ATTRIBUTES.items())
+        assert (classes["second colour"] == 0) == (len(scene.objects) == 1)
+    scene = next(s for s in scenes if len(s.objects) == 1)
+    other = "green" if scene.objects[0].colour != "green" else "red"
+    changed = [k for k, a, b in zip(names, attributes(scene),
+                                    attributes(replace(scene, objects=(replace(scene.objects[0], colour=other),))))
+               if a != b]
+    assert changed == ["colour"]
+    logits = SceneReadout(32)(torch.randn(3, 17, 32))
+    assert [x.shape for x in logits] == [(3, n) for n in ATTRIBUTES.values()]

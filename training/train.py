@@ -4,9 +4,10 @@
     python -m training.train --smoke                                            # CPU: a few steps of each stage
 
 Every part is the engine's own class: the diffusers video / audio VAEs at small widths (`TOY_VIDEO_VAE`,
-`TOY_AUDIO_VAE`; the real compression and frame rules), our H3 DiT (`TOY`: the tiny preset's architecture, wider and deeper), and the tiny
-Qwen3-VL conditioner drawn from seed 0 and kept frozen (its prompt embeddings are computed once per clip). The DiT
-learns what every H3 task feeds it: t2va, first / last keyframe rows (fl2va), masked edits (regenerated cells at
+`TOY_AUDIO_VAE`; the real compression and frame rules), our H3 DiT (`TOY`: the tiny preset's architecture, wider
+and deeper), and the tiny Qwen3-VL conditioner drawn from seed 0, its text layers trained to make a caption's
+attributes readable (training/text_encoder.py) and then frozen (its prompt embeddings computed once per clip). The
+DiT learns what every H3 task feeds it: t2va, first / last keyframe rows (fl2va), masked edits (regenerated cells at
 their timestep, the rest at the condition level) and extension guide rows.
 
 Weights go out as Comfy-Org single files in the published schemas (DiT comfy layout bf16, text encoder bf16, video
@@ -47,6 +48,7 @@ from engine.models.h3.vae import (IMAGENET_MEAN, IMAGENET_STD, TINY_TILE_OVERLAP
 from training.captions import caption
 from training.guidance import GuidedDiT, guided
 from training.scoring import score_clip
+from training.text_encoder import train_text_encoder
 from training.toy_scene import sample_scene
 from training.toy_world import render
 
@@ -68,7 +70,7 @@ TOKEN_PX = 32  # a DiT video token's square of pixels: the video VAE's 16x times
 OBJECT_WEIGHT = 8.0
 FINISH_S = 30  # of --minutes kept for the last evaluation and the files
 VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of the temporal chunking
-STAGES = {"video_vae": 0.3, "audio_vae": 0.15, "dit": 0.55}  # share of the time budget
+STAGES = {"video_vae": 0.3, "audio_vae": 0.15, "text_encoder": 0.05, "dit": 0.5}  # share of the time budget
 # `--stages video_decoder` alone: the video VAE's decoder trained further on its own budget (the encoder and so the
 # DiT's latents unchanged); it runs beside a DiT run on the same GPU (each is launch-bound). `--stages latent_rgb`
 # alone refits the previews' latent -> RGB projection of the files in --resume.
@@ -591,7 +593,7 @@ def main(argv=None) -> int:
                         "encoder, its latents and so the DiT kept); train it with --stages video_decoder")
     p.add_argument("--cache", type=Path, default=None,
                    help="the DiT stage's encoded clips: read from this file when it holds --clips of them, "
-                        "else written")
+                        "else written (not used when the text encoder trains in the same run)")
     p.add_argument("--stages", nargs="+", default=list(STAGES),
                    choices=[*STAGES, "video_decoder", "audio_decoder", "latent_rgb"])
     p.add_argument("--audio-envelope", type=float, default=0.0,
@@ -624,8 +626,10 @@ def main(argv=None) -> int:
 
     # A smoke run's clips are one VAE window long (22 frames): every stage runs, in seconds on a CPU. A DiT run
     # with its cache needs none.
+    cache = None if "text_encoder" in args.stages else args.cache  # it holds the old encoder's prompt states
+    clip_stages = set(args.stages) - {"text_encoder"}
     clips = None
-    if args.stages != ["dit"] or args.cache is None or not args.cache.is_file():
+    if clip_stages and (clip_stages != {"dit"} or cache is None or not cache.is_file()):
         clips = toy_clips(range(args.seed * 1_000_000, args.seed * 1_000_000 + (2 if args.smoke else args.clips)),
                           width, height, 0.9 if args.smoke else 5.0, 1 if args.smoke else 16)
         log("data", len(clips), frames=int(clips[0][0].shape[0]), canvas=f"{width}x{height}")
@@ -675,9 +679,12 @@ def main(argv=None) -> int:
         train_audio_vae(pipe.audio_vae, clips, stage_budget("audio_decoder"), 1 if args.smoke else 16,
                         0.1 if args.smoke else 1.0, log, rng, steps_cap, decoder_only=True,
                         envelope_weight=args.audio_envelope)
+    if "text_encoder" in args.stages:
+        train_text_encoder(pipe.conditioner, stage_budget("text_encoder"), 8 if args.smoke else 128, log, rng,
+                           EVAL_SEED, width, height, steps_cap)
     if "dit" in args.stages:
         eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(args.eval_scenes)]
-        train_dit(pipe, encoded(pipe, clips, args.cache), stage_budget("dit"),
+        train_dit(pipe, encoded(pipe, clips, cache), stage_budget("dit"),
                   2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
                   args.caption_drop, args.guidance, args.eval_guidance)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
