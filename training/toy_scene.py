@@ -61,14 +61,21 @@ DIRECTIONS = {"moves left": (0, -1), "moves right": (0, 1), "moves up": (1, -1),
 GROWTH = {"grows": (0.5, 1.5), "shrinks": (1.5, 0.5)}  # size scale at t = 0 and the scale it approaches
 GROWTH_TIME_S = 3.0
 
-# Sampling: a mover crosses this share of its free range in CLEAR_SECONDS without touching a wall (so a 5 s clip
-# has no wall hit; longer renders reach the walls); two objects stay OBJECT_GAP_PX apart for CLEAR_SECONDS;
-# a bouncer's apex is this share of its free height; scenes are this often humming / rainy.
+# Sampling: a lone object starts near the middle of the canvas, two near a quarter and three quarters of the width
+# (in caption order), each start varied by PLACEMENT_JITTER of its free range: the caption says what moves and how,
+# not where, and a small DiT that must also invent the place (anywhere on the canvas, as the world was until stop
+# 38) drew its objects faint and still. A mover crosses this share of its free range in CLEAR_SECONDS without
+# touching a wall, its path centred on its place (so a 5 s clip has no wall hit; longer renders reach the walls);
+# two objects stay OBJECT_GAP_PX apart for CLEAR_SECONDS; a bouncer's apex is this share of its free height;
+# scenes are this often humming / rainy.
+SLOTS = {1: (0.5,), 2: (0.25, 0.75)}  # share of the free range across the width, by number of objects
+PLACEMENT_JITTER = 0.1
 CLEAR_SECONDS = 6.0
-TRAVEL_SHARE = (0.4, 0.85)
-BOUNCE_HEIGHT_SHARE = (0.35, 0.8)
-BOUNCE_PERIOD_S = (0.8, 1.6)
-BOUNCE_PHASE = (0.15, 0.85)  # never a contact at t = 0
+TRAVEL_SHARE = (0.35, 0.45)
+WALL_MARGIN = 0.05  # share of the free range a mover's path keeps from each wall
+BOUNCE_HEIGHT_SHARE = (0.55, 0.7)
+BOUNCE_PERIOD_S = (1.0, 1.3)
+BOUNCE_PHASE = (0.3, 0.45)  # never a contact at t = 0
 HUMMING_PROBABILITY, RAIN_PROBABILITY = 0.75, 0.4
 OBJECT_GAP_PX = 3.0
 
@@ -168,27 +175,34 @@ def contact_times(obj: ToyObject, duration: float, width: int, height: int) -> n
     return (walls - u0) / rate
 
 
-def _sample_object(rng: np.random.Generator, colour: str, width: int, height: int) -> ToyObject:
+def _place(rng: np.random.Generator, centre: float, lo: float, hi: float) -> float:
+    """A start in pixels near `centre` (a share of the range lo..hi), varied by PLACEMENT_JITTER of the range."""
+    return float(np.clip(lo + (centre + rng.uniform(-PLACEMENT_JITTER, PLACEMENT_JITTER)) * (hi - lo), lo, hi))
+
+
+def _sample_object(rng: np.random.Generator, colour: str, slot: float, width: int, height: int) -> ToyObject:
     shape = SHAPES[rng.integers(len(SHAPES))]
     size = tuple(SIZES)[rng.integers(len(SIZES))]
     motion = MOTIONS[rng.integers(len(MOTIONS))]
     s = SIZES[size] * height * max(GROWTH.get(motion, (1.0,)))  # the largest it gets
-    x = rng.uniform(*_range_px(shape, s, 0, width, height)) / width
-    y = rng.uniform(*_range_px(shape, s, 1, width, height)) / height
+    x = _place(rng, slot, *_range_px(shape, s, 0, width, height)) / width
+    y = _place(rng, 0.5, *_range_px(shape, s, 1, width, height)) / height
     if motion in DIRECTIONS:
         axis, sign = DIRECTIONS[motion]
         extent = width if axis == 0 else height
         lo, hi = _range_px(shape, s, axis, width, height)
         travel = rng.uniform(*TRAVEL_SHARE) * (hi - lo)
-        lead = rng.uniform(0, hi - lo - travel)
-        start = (lo + lead if sign > 0 else hi - lead) / extent
+        margin = WALL_MARGIN * (hi - lo)
+        start = float(np.clip((x if axis == 0 else y) * extent - sign * travel / 2,
+                              lo + margin + travel * (sign < 0), hi - margin - travel * (sign > 0))) / extent
         x, y = (start, y) if axis == 0 else (x, start)
         return ToyObject(shape, colour, size, motion, float(x), float(y), speed=float(travel / CLEAR_SECONDS / extent))
     if motion == "bounces":
         lo, hi = _range_px(shape, s, 1, width, height)
         apex = float(rng.uniform(*BOUNCE_HEIGHT_SHARE) * (hi - lo) / height)
-        obj = ToyObject(shape, colour, size, motion, float(x), float(y), bounce_height=apex,
-                        bounce_period=float(rng.uniform(*BOUNCE_PERIOD_S)), bounce_phase=float(rng.uniform(*BOUNCE_PHASE)))
+        period, phase = float(rng.uniform(*BOUNCE_PERIOD_S)), float(rng.uniform(*BOUNCE_PHASE))
+        obj = ToyObject(shape, colour, size, motion, float(x), float(y), bounce_height=apex, bounce_period=period,
+                        bounce_phase=phase)
         return replace(obj, y=float(centroid_px(obj, 0.0, width, height)[1]) / height)
     return ToyObject(shape, colour, size, motion, float(x), float(y))
 
@@ -202,13 +216,14 @@ def _apart(a: ToyObject, b: ToyObject, width: int, height: int) -> bool:
 
 def sample_scene(seed: int, width: int = DEFAULT_WIDTH, height: int = DEFAULT_HEIGHT) -> Scene:
     """A scene drawn from a seed, laid out for a canvas of this aspect: one or two objects of different colours,
-    each visible on the background, apart from each other during the first CLEAR_SECONDS."""
+    each visible on the background, in their SLOTS and apart from each other during the first CLEAR_SECONDS."""
     rng = np.random.default_rng(seed)
     while True:
         background = tuple(BACKGROUNDS)[rng.integers(len(BACKGROUNDS))]
         palette = [colour for colour in COLOURS if visible_on(colour, background)]
         colours = rng.choice(palette, size=rng.integers(1, 3), replace=False)
-        objects = tuple(_sample_object(rng, str(colour), width, height) for colour in colours)
+        objects = tuple(_sample_object(rng, str(colour), slot, width, height)
+                        for colour, slot in zip(colours, SLOTS[len(colours)]))
         if len(objects) == 1 or _apart(*objects, width, height):
             break
     return Scene(objects, background, humming=bool(rng.random() < HUMMING_PROBABILITY),

@@ -41,12 +41,11 @@ from engine.models.seedvr2.vae import build_vae, posterior_sample
 from training.quality import psnr
 from training.toy_scene import sample_scene
 from training.toy_world import render
-from training.train import EVAL_SEED, Log, timed_steps
+from training.train import EVAL_SEED, Log, object_weight, timed_steps
 
 WINDOW = 17  # pixel frames per VAE training sample (4n + 1)
 DIT_WINDOWS = (17, 41, 121)  # pixel frames of the DiT's pairs, in turn: the temporal windows of 1 s and 5 s clips
 STAGES = {"vae": 0.4, "dit": 0.6}
-OBJECT_WEIGHT, OBJECT_DILATE = 8.0, 2  # VAE loss weight near the objects (their masks grown by this many pixels)
 LR_FLOOR = 0.1  # each stage's learning rate falls linearly (in time) to this share of its start
 LOGVAR_INIT = -10.0  # a fresh VAE's posterior log-variance: its noise starts ~0.007, not 1 (see fresh_vae)
 UPSCALE_SEED = EVAL_SEED + 500  # the held-out clips (degradations from rng seed 1) of benchmarks/toy_eval.py
@@ -97,13 +96,6 @@ def window(clip: np.ndarray, rng, smoke: bool, length: int = WINDOW) -> slice:
     length = min(length, (clip.shape[0] - 1) // 4 * 4 + 1)
     start = 0 if smoke else int(rng.integers(0, clip.shape[0] - length + 1))
     return slice(start, start + length)
-
-
-def object_weight(masks: np.ndarray, device) -> torch.Tensor:
-    """bool [B, F, H, W] object masks -> loss weights [B, 1, F, H, W]: 1 + OBJECT_WEIGHT near an object."""
-    m = torch.from_numpy(masks).to(device).float().flatten(0, 1)[:, None]
-    m = F.max_pool2d(m, 2 * OBJECT_DILATE + 1, stride=1, padding=OBJECT_DILATE)
-    return (1 + OBJECT_WEIGHT * m).view(masks.shape[0], masks.shape[1], 1, *masks.shape[2:]).transpose(1, 2)
 
 
 def decayed_lr(opt: torch.optim.Optimizer, base: float, start: float, budget_s: float) -> None:
