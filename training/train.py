@@ -133,11 +133,11 @@ def object_pixels(frames: np.ndarray, text: str) -> np.ndarray:
     return (frames != background).any(-1)
 
 
-def object_weight(masks: np.ndarray, device) -> torch.Tensor:
-    """bool [B, F, H, W] object masks -> loss weights [B, 1, F, H, W]: 1 + OBJECT_WEIGHT near an object."""
+def object_weight(masks: np.ndarray, device, weight: float = OBJECT_WEIGHT) -> torch.Tensor:
+    """bool [B, F, H, W] object masks -> loss weights [B, 1, F, H, W]: 1 + `weight` near an object."""
     m = torch.from_numpy(masks).to(device).float().flatten(0, 1)[:, None]
     m = F.max_pool2d(m, 2 * OBJECT_DILATE + 1, stride=1, padding=OBJECT_DILATE)
-    return (1 + OBJECT_WEIGHT * m).view(masks.shape[0], masks.shape[1], 1, *masks.shape[2:]).transpose(1, 2)
+    return (1 + weight * m).view(masks.shape[0], masks.shape[1], 1, *masks.shape[2:]).transpose(1, 2)
 
 
 def pixels(frames: np.ndarray, device) -> torch.Tensor:
@@ -149,10 +149,11 @@ def pixels(frames: np.ndarray, device) -> torch.Tensor:
 
 
 def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log, rng, max_steps=None,
-                    decoder_only: bool = False) -> None:
+                    decoder_only: bool = False, object_share: float = OBJECT_WEIGHT) -> None:
     """Reconstruction weighted near the objects (+ a faint KL); `decoder_only` keeps the encoder, so the latents a
     DiT learned stay valid. Unweighted, the ~3 % of pixels that hold objects hardly count: small and fast objects
-    came back too faint to find by colour in a quarter of the held-out round trips."""
+    came back too faint to find by colour in a quarter of the held-out round trips. `object_share` is the weight
+    added near them."""
     model, device = vae.model.train(), vae.device
     model.disable_tiling()
     params = list((model.decoder if decoder_only else model).parameters())
@@ -168,7 +169,8 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
         start = 0 if max_steps else int(rng.integers(0, num_frames - VAE_FRAMES + 1))
         frames = [clips[i][0][start:start + VAE_FRAMES] for i in picks]
         x = pixels(np.stack(frames), device)
-        weight = object_weight(np.stack([object_pixels(f, clips[i][2]) for f, i in zip(frames, picks)]), device)
+        masks = np.stack([object_pixels(f, clips[i][2]) for f, i in zip(frames, picks)])
+        weight = object_weight(masks, device, object_share)
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
             with torch.set_grad_enabled(not decoder_only):
                 posterior = model.encode(x).latent_dist
@@ -531,11 +533,14 @@ def evaluate(pipe: H3Pipeline, scenes, steps: int, guidance: float = 1.0) -> dic
 
 def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, log: Log, rng, gen, eval_scenes,
               eval_every: int, lr: float, max_steps=None, caption_drop: float = CAPTION_DROP, guidance: float = 1.0,
-              eval_guidance=(1.0,)) -> None:
+              eval_guidance=(1.0,), compile: bool = False) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
-    exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher."""
+    exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
+    `compile` runs the training steps through torch.compile (dynamic shapes: one graph for every caption length and
+    layout): the eager step is bound by the unfused fp32 norm / modulation / residual passes over the rows."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
+    stepped = torch.compile(dit, dynamic=True) if compile else dit
     teacher = copy.deepcopy(dit).eval().requires_grad_(False) if guidance != 1 else None
     params = list(dit.parameters())
     ema = [p.detach().clone() for p in params]
@@ -556,7 +561,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
             task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
             group = groups[int(rng.choice(len(groups), p=sizes / sizes.sum()))]
             picks = [group[int(i)] for i in rng.integers(len(group), size=batch)]
-        loss = dit_loss(dit, [data[i] for i in picks], task, rng, gen, caption_drop, teacher, guidance,
+        loss = dit_loss(stepped, [data[i] for i in picks], task, rng, gen, caption_drop, teacher, guidance,
                         pipe.video_shift, None if max_steps else noise_gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -632,6 +637,9 @@ def main(argv=None) -> int:
     p.add_argument("--video-shift", type=float, default=None,
                    help="the video schedule's shift, trained and recorded in the DiT file (default: the resumed "
                         "file's, else the release's 12)")
+    p.add_argument("--compile", action="store_true", help="the DiT's training steps through torch.compile")
+    p.add_argument("--vae-object-weight", type=float, default=OBJECT_WEIGHT,
+                   help="the video VAE stages' loss weight added within OBJECT_DILATE pixels of an object")
     p.add_argument("--smoke", action="store_true", help="CPU check: tiny canvas, a few steps of each stage")
     args = p.parse_args(argv)
     deadline = time.monotonic() + args.minutes * 60 - FINISH_S
@@ -684,12 +692,12 @@ def main(argv=None) -> int:
 
     if "video_vae" in args.stages:
         train_video_vae(pipe.video_vae, clips, stage_budget("video_vae"), 1 if args.smoke else 8, log, rng,
-                        steps_cap)
+                        steps_cap, object_share=args.vae_object_weight)
         raw = video_vae(pipe.video_vae.model).to(device)
         pipe.video_vae = video_vae(pipe.video_vae.model, *latent_stats(raw, clips, encode_video, 0, 32)).to(device)
     if "video_decoder" in args.stages:
         train_video_vae(pipe.video_vae, clips, stage_budget("video_decoder"), 1 if args.smoke else 8, log, rng,
-                        steps_cap, decoder_only=True)
+                        steps_cap, decoder_only=True, object_share=args.vae_object_weight)
     if "audio_vae" in args.stages:
         train_audio_vae(pipe.audio_vae, clips, stage_budget("audio_vae"), 1 if args.smoke else 16,
                         0.1 if args.smoke else 1.0, log, rng, steps_cap, envelope_weight=args.audio_envelope)
@@ -706,7 +714,7 @@ def main(argv=None) -> int:
         eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(args.eval_scenes)]
         train_dit(pipe, encoded(pipe, clips, cache), stage_budget("dit"),
                   2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
-                  args.caption_drop, args.guidance, args.eval_guidance)
+                  args.caption_drop, args.guidance, args.eval_guidance, args.compile)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
         log("latent_rgb", 0, bias=str([round(v, 3) for v in pipe.video_vae.latent_rgb[1].tolist()]))
