@@ -1,0 +1,84 @@
+"""The embedded default (`--preset toy`, the trained weights in engine/weights/toy) through a real engine process and
+the real client, scored from the returned frames and sound alone (training/scoring.py) on held-out captions: the CI
+subset of issue 18's tables (`benchmarks/toy_eval.py` runs 20 captions and every task).
+
+The first six held-out scenes (EVAL_SEED on, never trained on) with toy_eval's seeds. What the committed weights
+reach on them is asserted as a floor, so a worse default fails; the issue's own t2va criterion (85 % of captions
+pass the named colour, motion, background and hum pitch) is a strict xfail until the DiT reaches it.
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from engine_fixture import start_engine
+from training.captions import caption
+from training.quality import psnr
+from training.scoring import score_clip
+from training.toy_scene import sample_scene
+from training.toy_world import render
+from training.train import EVAL_SEED
+
+WIDTH, HEIGHT = 224, 128  # the toy preset's canvas
+CAPTIONS = 6
+NAMED_CHECKS = ("colour", "motion", "background", "pitch")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    with start_engine(tmp_path_factory.mktemp("toy"), "--preset", "toy") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def scenes():
+    return [sample_scene(EVAL_SEED + i, WIDTH, HEIGHT) for i in range(CAPTIONS)]
+
+
+def run(engine, task: str, params: dict, tensors=None):
+    return asyncio.run(asyncio.wait_for(engine.client().run(task, params, tensors), 300))
+
+
+@pytest.fixture(scope="module")
+def t2va(engine, scenes) -> list[dict]:
+    """Each held-out caption's checks, generated as toy_eval does (seed = its index, the canvas's steps)."""
+    checks = []
+    for i, scene in enumerate(scenes):
+        result = run(engine, "t2va", {"prompt": caption(scene), "seed": i})
+        checks.append(score_clip(result.frames, result.audio, scene)["checks"])
+    return checks
+
+
+def share(checks: list[dict], name: str) -> float:
+    judged = [c[name] for c in checks if name in c]
+    return sum(judged) / len(judged)
+
+
+def test_t2va_shows_the_named_background_and_hum(t2va):
+    assert share(t2va, "background") == 1.0 and share(t2va, "pitch") == 1.0, t2va
+    assert share(t2va, "pan") >= 0.75, t2va  # 4 of the 5 humming clips; the miss lost its second object
+
+
+def test_t2va_shows_the_named_colour_and_motion_in_some_captions(t2va):
+    """Measured on the CPU (its noise differs from the H200's): colour 3 of 6, motion 2 of 6 (the H200's table
+    has 0.80 and 0.50 over 20 captions); random weights pass neither."""
+    assert share(t2va, "colour") >= 3 / 6, t2va
+    assert share(t2va, "motion") >= 2 / 6, t2va
+
+
+@pytest.mark.xfail(strict=True, reason="issue 18: the toy DiT passes the named checks in 9 of toy_eval's 20 "
+                                       "captions (target 85 %); no bounce yet")
+def test_t2va_passes_the_issues_named_checks_in_85_percent_of_captions(t2va):
+    passed = [all(c[k] for k in NAMED_CHECKS if k in c) for c in t2va]
+    assert sum(passed) >= 0.85 * len(passed), t2va
+
+
+def test_fl2va_starts_on_the_given_first_frame(engine, scenes):
+    """Frame 0 within 28 dB PSNR of the rendered first frame it was given (issue 18's target; the median of two)."""
+    values = []
+    for i, scene in enumerate(scenes[:2]):
+        truth = render(scene, WIDTH, HEIGHT)
+        result = run(engine, "fl2va", {"prompt": caption(scene), "seed": i}, {"first_frame": truth.frames[0]})
+        values.append(psnr(result.frames[0], truth.frames[0]))
+    assert np.median(values) >= 28.0, values
