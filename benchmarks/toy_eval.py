@@ -68,6 +68,12 @@ def scenes_where(condition, first_seed: int, count: int, width: int, height: int
     return found
 
 
+def sky_mask(scene, width: int, height: int) -> np.ndarray:
+    """bool [H, W]: the sky of a blue-sky scene (all of it, or above the grass's horizon)."""
+    rows = np.arange(height)[:, None] + 0.5 < HORIZON * height if scene.background != "blue sky" else True
+    return np.broadcast_to(rows, (height, width))
+
+
 def edit_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict]:
     """Masked edits of two-object clips: remove object 0 (a padded box track of it, as Mask Track Box draws),
     replace it by a box of an unused colour, and repaint the sky of a blue-sky clip at night."""
@@ -88,10 +94,7 @@ def edit_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict]:
         print(f"edit {i}: remove {row['removal']['checks']} replace {row['replace']['checks']}", flush=True)
     for i, scene in enumerate(scenes_where(lambda s: "blue sky" in s.background, EVAL_SEED + 2000, args.edits,
                                            width, height)):
-        truth = render(scene, width, height)
-        sky = np.arange(height)[:, None] + 0.5 < HORIZON * height if scene.background != "blue sky" else \
-            np.ones((height, 1), bool)
-        sky = np.broadcast_to(sky, (height, width))
+        truth, sky = render(scene, width, height), sky_mask(scene, width, height)
         night = replace(scene, background="night")
         out = pipe.edit(EditRequest(Source(truth.frames, audio=truth.audio), sky.astype(np.float32), caption(night),
                                     "repaint", strength=REPAINT_STRENGTH, seed=i))

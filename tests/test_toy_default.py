@@ -13,13 +13,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from benchmarks.toy_eval import NAMED_CHECKS, REPAINT_STRENGTH
+from benchmarks.toy_eval import NAMED_CHECKS, REPAINT_STRENGTH, scenes_where, sky_mask
 from engine_fixture import start_engine
 from training.captions import caption
 from training.quality import psnr
 from training.scoring import score_clip
 from training.task_checks import repaint_checks
-from training.toy_scene import HORIZON, sample_scene
+from training.toy_scene import sample_scene
 from training.toy_world import render
 from training.train import EVAL_SEED
 
@@ -88,11 +88,8 @@ def test_fl2va_starts_on_the_given_first_frame(engine, scenes):
 
 def test_a_repainted_sky_turns_to_night(engine):
     """toy_eval's first repaint clip (its sky mask, its strength) sent as frames, sound and a mask over the wire."""
-    scene = next(sample_scene(EVAL_SEED + 2000 + i, WIDTH, HEIGHT) for i in range(100)
-                 if "blue sky" in sample_scene(EVAL_SEED + 2000 + i, WIDTH, HEIGHT).background)
-    truth = render(scene, WIDTH, HEIGHT)
-    rows = np.arange(HEIGHT)[:, None] + 0.5 < HORIZON * HEIGHT if scene.background != "blue sky" else True
-    sky = np.broadcast_to(rows, (HEIGHT, WIDTH))
+    scene = scenes_where(lambda s: "blue sky" in s.background, EVAL_SEED + 2000, 1, WIDTH, HEIGHT)[0]
+    truth, sky = render(scene, WIDTH, HEIGHT), sky_mask(scene, WIDTH, HEIGHT)
     result = run(engine, "edit", {"prompt": caption(replace(scene, background="night")), "preset": "repaint",
                                   "strength": REPAINT_STRENGTH, "seed": 0, "source_sample_rate": 32000},
                  {"source_frames": truth.frames, "source_audio": truth.audio, "mask": (sky * 255).astype(np.uint8)})

@@ -149,11 +149,11 @@ def pixels(frames: np.ndarray, device) -> torch.Tensor:
 
 
 def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log, rng, max_steps=None,
-                    decoder_only: bool = False, object_share: float = OBJECT_WEIGHT) -> None:
+                    decoder_only: bool = False, near_object_weight: float = OBJECT_WEIGHT) -> None:
     """Reconstruction weighted near the objects (+ a faint KL); `decoder_only` keeps the encoder, so the latents a
     DiT learned stay valid. Unweighted, the ~3 % of pixels that hold objects hardly count: small and fast objects
-    came back too faint to find by colour in a quarter of the held-out round trips. `object_share` is the weight
-    added near them."""
+    came back too faint to find by colour in a quarter of the held-out round trips. `near_object_weight` is the
+    weight added near them."""
     model, device = vae.model.train(), vae.device
     model.disable_tiling()
     params = list((model.decoder if decoder_only else model).parameters())
@@ -170,7 +170,7 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
         frames = [clips[i][0][start:start + VAE_FRAMES] for i in picks]
         x = pixels(np.stack(frames), device)
         masks = np.stack([object_pixels(f, clips[i][2]) for f, i in zip(frames, picks)])
-        weight = object_weight(masks, device, object_share)
+        weight = object_weight(masks, device, near_object_weight)
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
             with torch.set_grad_enabled(not decoder_only):
                 posterior = model.encode(x).latent_dist
@@ -692,12 +692,12 @@ def main(argv=None) -> int:
 
     if "video_vae" in args.stages:
         train_video_vae(pipe.video_vae, clips, stage_budget("video_vae"), 1 if args.smoke else 8, log, rng,
-                        steps_cap, object_share=args.vae_object_weight)
+                        steps_cap, near_object_weight=args.vae_object_weight)
         raw = video_vae(pipe.video_vae.model).to(device)
         pipe.video_vae = video_vae(pipe.video_vae.model, *latent_stats(raw, clips, encode_video, 0, 32)).to(device)
     if "video_decoder" in args.stages:
         train_video_vae(pipe.video_vae, clips, stage_budget("video_decoder"), 1 if args.smoke else 8, log, rng,
-                        steps_cap, decoder_only=True, object_share=args.vae_object_weight)
+                        steps_cap, decoder_only=True, near_object_weight=args.vae_object_weight)
     if "audio_vae" in args.stages:
         train_audio_vae(pipe.audio_vae, clips, stage_budget("audio_vae"), 1 if args.smoke else 16,
                         0.1 if args.smoke else 1.0, log, rng, steps_cap, envelope_weight=args.audio_envelope)
