@@ -14,7 +14,7 @@ from pathlib import Path
 
 def add_demo_args(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="start the engine on the toy preset and generate one clip through the client")
-    p.add_argument("--prompt", default="a large red ball bounces on green grass under a blue sky, humming",
+    p.add_argument("--prompt", default="a large red ball moves right on green grass under a blue sky, humming",
                    help="a caption of the toy world (training/captions.py): shapes, colours, motions, backgrounds")
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--steps", type=int, default=8)

@@ -126,7 +126,7 @@ class H3ForgeEngine:
                 "preset": (PRESETS, {"default": "toy", "tooltip":
                            "Weights for an auto-launched engine when models_dir is empty: toy = the small "
                            "built-in model trained on a toy world of shapes, backgrounds and hums (no downloads, "
-                           "runs on a CPU; prompts like 'a red ball bounces on green grass under a blue sky, "
+                           "runs on a CPU; prompts like 'a red ball moves right on green grass under a blue sky, "
                            "humming'); tiny = the same architecture with random weights (tests)."}),
                 "models_dir": ("STRING", {"default": "", "tooltip":
                                "Folder with the real MiniMax-H3 checkpoints for an auto-launched engine "

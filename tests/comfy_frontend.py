@@ -239,6 +239,10 @@ async def load_workflow(browser: Browser, comfy_url: str, workflow: dict, timeou
                 tab = Tab(ws)
                 for domain in ("Runtime", "Log", "Page"):
                     await tab.send(f"{domain}.enable")
+                # Each tab starts as a first visit: the frontend restores the workflow it stored last (a previous
+                # check's, maybe with a missing node whose dialog would stay open over this one).
+                await tab.send("Storage.clearDataForOrigin", origin=comfy_url.rstrip("/"),
+                               storageTypes="local_storage,session_storage")
                 await tab.send("Page.navigate", url=comfy_url)
                 # The app is up once it has loaded its start graph (ComfyUI's default workflow).
                 await tab.wait_for("!!(window.app?.graph?.nodes?.length && window.app.canvas && window.LiteGraph)",

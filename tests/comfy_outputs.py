@@ -2,7 +2,8 @@
 
 `expectation(prompt, node_id, ...)` follows the link into a Preview node back to the node that made its video and
 says what that video must be (frame count from the seconds widgets and the 17n + 5 grid at 24 fps, size rules,
-sound). `edit_regions(...)` rebuilds the mask an edit workflow regenerates from its mask nodes (Mask Track Box
+sound). `caption_problems(...)` scores a text-to-video clip of the embedded default against its prompt.
+`edit_regions(...)` rebuilds the mask an edit workflow regenerates from its mask nodes (Mask Track Box
 keyframes, mask PNGs, grow / feather / frame range), and `edit_change(...)` measures how much an edit changed the
 source inside that mask and how much it kept outside.
 """
@@ -21,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from engine.io.video import read_audio
+from training.scoring import score_clip
+
 FPS = 24
 ANALYSIS_WIDTH = 336  # edit checks decode frames at most this wide (a 1344x768 source -> 336x192)
 # Pixels of the edited clip around the mask's edge that count as neither inside nor outside: the engine regenerates
@@ -29,6 +33,9 @@ INSIDE_MARGIN_PX = 4
 OUTSIDE_MARGIN_PX = 24
 # Frames around a frame-range mask's first and last frame left out of the comparison (4 frames per latent).
 EDGE_MARGIN_FRAMES = 8
+# A plain text-to-video clip of the embedded default must show these of its prompt (the issue's t2va criterion:
+# every object's colour, its motion, the background and, when humming, the hum's pitch).
+CAPTION_CHECKS = ("colour", "motion", "background", "pitch")
 
 
 @dataclass
@@ -57,6 +64,26 @@ def read_mp4(data: bytes, analysis: bool = False) -> Clip:
             if analysis:
                 pixels.append(frame.reformat(small_w, small_h, format="rgb24").to_ndarray())
     return Clip(frames, fps, width, height, audio_s, np.stack(pixels) if analysis else None)
+
+
+def prompt_of_plain_t2va(prompt: dict, link) -> str | None:
+    """The prompt of the text-to-video node the link comes from when nothing but text conditions it (no keyframes,
+    no references): a clip the toy world's scoring can judge against its caption."""
+    _, node = source_node(prompt, link)
+    if node["class_type"] != "H3ForgeTextToVideo":
+        return None
+    if any(k in node["inputs"] for k in ("first_frame", "last_frame", "references")):
+        return None
+    return node["inputs"]["prompt"]
+
+
+def caption_problems(clip: Clip, mp4: bytes, caption: str) -> tuple[list[str], dict[str, bool]]:
+    """A clip of the embedded default (decoded for analysis) scored against its caption from its frames and sound
+    (training/scoring.py): the CAPTION_CHECKS must pass; all checks are returned as well."""
+    sound, rate = read_audio(mp4)
+    checks = {k: bool(v) for k, v in score_clip(clip.pixels, sound, caption, sample_rate=rate)["checks"].items()}
+    missed = [k for k in CAPTION_CHECKS if not checks.get(k, True)]
+    return ([f"does not show its prompt {caption!r}: {', '.join(missed)} check(s) failed"] if missed else []), checks
 
 
 def grid_frames(seconds: float) -> int:

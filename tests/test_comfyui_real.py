@@ -15,8 +15,9 @@ copies its example inputs into that input folder when it loads), and then
   test's engine port and the CPU; nodes without an Engine node use H3FORGE_URL), the nodes auto-launching the
   bundled engine on its embedded default; each Preview node's MP4 is fetched through /view and decoded: frame count,
   fps, size and sound as the workflow asks for; for the edit workflows the output differs from the source inside the
-  mask and keeps it outside (comfy_outputs.py; outside only on trained weights, see RANDOM_WEIGHTS); each workflow
-  must finish within WORKFLOW_BUDGET_S;
+  mask and keeps it outside (comfy_outputs.py; outside only on trained weights, see RANDOM_WEIGHTS); on the trained
+  embedded default a preview made from text alone must show its prompt (object colours, motions, background, hum
+  pitch: `comfy_outputs.caption_problems`); each workflow must finish within WORKFLOW_BUDGET_S;
 - every workflow loads into ComfyUI's frontend in headless Chromium (comfy_frontend.py) without console errors,
   missing node types or widget values that did not land on their widgets; a screenshot of each is saved.
 Per-workflow results (wall time, checks, numbers) are printed at the end (with -s) and written with the screenshots
@@ -494,17 +495,23 @@ def test_workflow_runs_as_shipped(path, comfy, object_info, results):
         row["run_s"] = round(time.monotonic() - started, 1)
     row["node_s"] = {f"{i} {prompt[i]['class_type']}": t for i, t in node_s.items() if i in prompt}
     sources = input_clips(comfy, prompt, analysis=is_edit)
-    real_weights = engine_status(comfy)["models"]["weights"] not in EMBEDDED_WEIGHTS
+    weights = engine_status(comfy)["models"]["weights"]
+    real_weights, trained_toy = weights not in EMBEDDED_WEIGHTS, weights in EMBEDDED_WEIGHTS - RANDOM_WEIGHTS
     problems, clips = [], {}
     for node_id, node in prompt.items():
         if node["class_type"] != "H3ForgePreview":
             continue
-        clip = comfy_outputs.read_mp4(fetch_preview(comfy, outputs, node_id), analysis=is_edit)
+        mp4 = fetch_preview(comfy, outputs, node_id)
+        caption = comfy_outputs.prompt_of_plain_t2va(prompt, node["inputs"]["video"]) if trained_toy else None
+        clip = comfy_outputs.read_mp4(mp4, analysis=is_edit or caption is not None)
         expect = comfy_outputs.expectation(prompt, node["inputs"]["video"], sources, real_weights)
         clips[node_id] = clip
         row.setdefault("previews", {})[node_id] = {"from": expect.what, "frames": clip.frames, "fps": clip.fps,
                                                    "size": [clip.width, clip.height], "audio_s": round(clip.audio_s, 2)}
         problems += [f"Preview {node_id}: {p}" for p in expect.problems(clip)]
+        if caption is not None:
+            missed, row["previews"][node_id]["scored"] = comfy_outputs.caption_problems(clip, mp4, caption)
+            problems += [f"Preview {node_id}: {p}" for p in missed]
     assert clips, f"{path.name} has no H3Forge Preview node"
     if is_edit:
         problems += check_edit(comfy, prompt, sources, clips, row)

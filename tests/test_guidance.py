@@ -103,3 +103,17 @@ def test_guidance_distillation_moves_the_student_to_the_guided_teacher(tiny):
         opt.step()
     with torch.no_grad():
         assert loss(20.0).item() < 0.5 * start
+
+
+def test_distillation_keeps_the_flow_loss_on_the_conditioned_layouts(tiny):
+    """Only the t2va layout is distilled: a keyframe layout's loss with a teacher is the plain flow loss."""
+    pipe, data = tiny
+    teacher = copy.deepcopy(pipe.dit).eval().requires_grad_(False)
+
+    def loss(task, **distil):
+        with torch.no_grad():
+            return dit_loss(pipe.dit, [data[0]] * 2, task, np.random.default_rng(0), torch.Generator().manual_seed(0),
+                            **distil).item()
+
+    assert loss("first", teacher=teacher, guidance=20.0) == loss("first")
+    assert loss("t2va", teacher=teacher, guidance=20.0) != loss("t2va")

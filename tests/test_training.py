@@ -6,11 +6,12 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import torch
 
 from engine.models.h3.pipeline import TINY_CANVAS, H3Pipeline
 from engine_fixture import REPO
-from training.train import FILES, TOY
+from training.train import FILES, TOY, pick_batch
 
 
 def test_smoke_run_lowers_every_loss_and_writes_loadable_files(tmp_path):
@@ -220,3 +221,15 @@ def test_text_encoder_stage_labels_every_attribute_a_caption_names():
     assert changed == ["colour"]
     logits = SceneReadout(32)(torch.randn(3, 17, 32))
     assert [x.shape for x in logits] == [(3, n) for n in ATTRIBUTES.values()]
+
+
+def test_pick_batch_draws_boosted_clips_by_their_odds_within_one_caption_length():
+    groups = [[0, 1, 2, 3], [4, 5]]  # clip 1 and clip 4 bounce, boosted 3x
+    odds = [[1.0, 3.0, 1.0, 1.0], [3.0, 1.0]]
+    rng = np.random.default_rng(0)
+    batches = [pick_batch(groups, odds, 8, rng) for _ in range(3000)]
+    assert all(set(b) <= set(groups[0]) or set(b) <= set(groups[1]) for b in batches)
+    first = [b for b in batches if b[0] in groups[0]]
+    assert abs(len(first) / len(batches) - 6 / 10) < 0.03  # a group by the sum of its odds
+    picks = np.concatenate(first)
+    assert abs((picks == 1).mean() - 3 / 6) < 0.02 and abs((picks == 0).mean() - 1 / 6) < 0.02

@@ -62,6 +62,9 @@ TASKS = {"t2va": 0.4, "first": 0.15, "first_last": 0.1, "edit": 0.2, "extend": 0
 REF_AUDIO_SECONDS = 2.0  # ref2va: the sound reference, the clip's first seconds
 EMA = 0.995
 CAPTION_DROP = 0.1  # share of prompts zeroed: the unconditional branch a guided teacher needs
+# Guidance distillation teaches the t2va layout alone: keyframe, edit, extension and reference rows are held by their
+# conditions, and a student distilled on every layout lost 0.6 dB on keyframes (stop 29); those keep the flow's loss.
+DISTILLED_TASKS = ("t2va",)
 AUDIO_LR, AUDIO_WARMUP = 3e-4, 100
 AUDIO_WAVE_WEIGHT, AUDIO_SPECTRAL_WEIGHT = 100.0, 0.3  # waveform MSE (it teaches the hum's phase) + spectra
 TOKEN_PX = 32  # a DiT video token's square of pixels: the video VAE's 16x times the 2x2 patch
@@ -346,9 +349,10 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     the source outside a box at the condition level (edit), the window's first latents noised to the condition
     level with its clean audio, on a shifted clock (extension), an image reference (the clip's middle frame at the
     reference size) noised likewise and a clean sound reference (its first seconds), the prompt presenting both
-    (ref2va). With a `teacher`, the target is its velocity guided by `guidance` (training/guidance.py), else the
-    flow's, with a `caption_drop` share of the prompts zeroed. The noise comes from `noise_gen` (a generator on the
-    device: drawn on the host, a batch's noise costs more than its step) or else `gen`."""
+    (ref2va). With a `teacher`, a DISTILLED_TASKS layout's target is its velocity guided by `guidance`
+    (training/guidance.py), else the flow's, with a `caption_drop` share of the prompts zeroed. The noise comes
+    from `noise_gen` (a generator on the device: drawn on the host, a batch's noise costs more than its step) or
+    else `gen`."""
     device = batch[0]["video"].device
     x0v = L.patchify(torch.stack([b["video"] for b in batch]))
     x0a = L.pack_audio(torch.stack([b["audio"] for b in batch]))
@@ -403,7 +407,8 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
             layout.audio_indices, layout.text_indices)
     video, audio = torch.cat([cond_v, xv], dim=1), torch.cat([cond_a, xa], dim=1)
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
-    if teacher is None:  # flow matching; the dropped captions teach the unconditional branch
+    # flow matching; the dropped captions teach the unconditional branch
+    if teacher is None or task not in DISTILLED_TASKS:
         kept = (torch.rand(len(batch), generator=gen) >= caption_drop).to(device, text.dtype)
         text = text * kept[:, None, None]
         target_v, target_a = x0v - ev, x0a - ea
@@ -531,13 +536,22 @@ def evaluate(pipe: H3Pipeline, scenes, steps: int, guidance: float = 1.0) -> dic
             **{f"{k}_rate": v / len(scenes) for k, v in checks.items()}}
 
 
+def pick_batch(groups: list[list[int]], odds: list[list[float]], batch: int, rng) -> list[int]:
+    """`batch` clip indices of one group (one caption length), each clip drawn with its odds, a group with their
+    sum."""
+    sums = np.array([sum(o) for o in odds])
+    g = int(rng.choice(len(groups), p=sums / sums.sum()))
+    return [groups[g][int(i)] for i in rng.choice(len(groups[g]), size=batch, p=np.array(odds[g]) / sums[g])]
+
+
 def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, log: Log, rng, gen, eval_scenes,
               eval_every: int, lr: float, max_steps=None, caption_drop: float = CAPTION_DROP, guidance: float = 1.0,
-              eval_guidance=(1.0,), compile: bool = False) -> None:
+              eval_guidance=(1.0,), compile: bool = False, bounce_boost: float = 1.0) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
     exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
     `compile` runs the training steps through torch.compile (dynamic shapes: one graph for every caption length and
-    layout): the eager step is bound by the unfused fp32 norm / modulation / residual passes over the rows."""
+    layout): the eager step is bound by the unfused fp32 norm / modulation / residual passes over the rows.
+    `bounce_boost` draws clips with a bouncing object that many times as often as the others."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
     stepped = torch.compile(dit, dynamic=True) if compile else dit
@@ -547,7 +561,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=pipe.device.type == "cuda")
     names, shares = list(TASKS), np.array(list(TASKS.values()))
     groups = by_caption_length(pipe, data)
-    sizes = np.array([len(g) for g in groups], dtype=float)
+    odds = [[bounce_boost if "bounces" in data[i]["prompt"] else 1.0 for i in g] for g in groups]
     # Noise drawn on the device; the loss summed there, read once per log line (no host sync per step).
     noise_gen = torch.Generator(pipe.device).manual_seed(int(torch.randint(1 << 62, (), generator=gen)))
     total, every = 0.0, 1 if max_steps else 100
@@ -559,8 +573,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
             task, picks, gen = "t2va", groups[0][:batch], torch.Generator().manual_seed(0)
         else:
             task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
-            group = groups[int(rng.choice(len(groups), p=sizes / sizes.sum()))]
-            picks = [group[int(i)] for i in rng.integers(len(group), size=batch)]
+            picks = pick_batch(groups, odds, batch, rng)
         loss = dit_loss(stepped, [data[i] for i in picks], task, rng, gen, caption_drop, teacher, guidance,
                         pipe.video_shift, None if max_steps else noise_gen)
         opt.zero_grad(set_to_none=True)
@@ -629,8 +642,8 @@ def main(argv=None) -> int:
     p.add_argument("--caption-drop", type=float, default=CAPTION_DROP,
                    help="share of the DiT's prompts zeroed (teaches the unconditional branch guidance needs)")
     p.add_argument("--guidance", type=float, default=1.0,
-                   help="distill: the DiT learns, in one forward, its starting self guided by this scale "
-                        "(training/guidance.py; the starting DiT must have trained with --caption-drop)")
+                   help="distill: on the t2va layout the DiT learns, in one forward, its starting self guided by "
+                        "this scale (training/guidance.py; the starting DiT must have trained with --caption-drop)")
     p.add_argument("--eval-guidance", type=float, nargs="+", default=[1.0],
                    help="the final held-out evaluation at each of these guidance scales (1: the plain DiT)")
     p.add_argument("--eval-scenes", type=int, default=4, help="held-out captions of the DiT's evaluations")
@@ -638,6 +651,8 @@ def main(argv=None) -> int:
                    help="the video schedule's shift, trained and recorded in the DiT file (default: the resumed "
                         "file's, else the release's 12)")
     p.add_argument("--compile", action="store_true", help="the DiT's training steps through torch.compile")
+    p.add_argument("--bounce-boost", type=float, default=1.0,
+                   help="the DiT draws clips with a bouncing object this many times as often as the others")
     p.add_argument("--vae-object-weight", type=float, default=OBJECT_WEIGHT,
                    help="the video VAE stages' loss weight added within OBJECT_DILATE pixels of an object")
     p.add_argument("--smoke", action="store_true", help="CPU check: tiny canvas, a few steps of each stage")
@@ -714,7 +729,7 @@ def main(argv=None) -> int:
         eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(args.eval_scenes)]
         train_dit(pipe, encoded(pipe, clips, cache), stage_budget("dit"),
                   2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
-                  args.caption_drop, args.guidance, args.eval_guidance, args.compile)
+                  args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
         log("latent_rgb", 0, bias=str([round(v, 3) for v in pipe.video_vae.latent_rgb[1].tolist()]))
