@@ -12,9 +12,13 @@ import time
 from pathlib import Path
 
 
+# What the toy default shows well (every scored check passes); it does not make a ball bounce yet.
+DEMO_PROMPT = "a large red ball moves right on green grass under a blue sky, humming"
+
+
 def add_demo_args(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="start the engine on the toy preset and generate one clip through the client")
-    p.add_argument("--prompt", default="a large red ball moves right on green grass under a blue sky, humming",
+    p.add_argument("--prompt", default=DEMO_PROMPT,
                    help="a caption of the toy world (training/captions.py): shapes, colours, motions, backgrounds")
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--steps", type=int, default=8)

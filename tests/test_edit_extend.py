@@ -10,7 +10,7 @@ import torch
 
 from engine.io.video import read_video
 from engine.models.h3 import layout as L
-from engine.models.h3.extend import AUDIO_PER_FRAME, plan_windows, window_layout
+from engine.models.h3.extend import SEAM_FRAMES, carry_seam, plan_windows, window_layout
 from engine.models.h3.mask import MaskError
 from engine.models.h3.pipeline import H3Pipeline
 from engine.models.h3.request import EditRequest, ExtendRequest, GenerateRequest, RefineRequest, Source, StepEvent
@@ -128,6 +128,25 @@ def test_extension_keeps_the_source_frames_and_grows_the_timeline(pipe, clip):
     assert result.audio_latents.shape[-1] == round(F_total * 40 / 24)
     assert result.audio.shape[-1] == round(F_total / 24 * 32000)
     assert torch.equal(result.audio[:, :clip.audio.shape[1]], clip.audio)  # the source's own sound, untouched
+
+
+def test_a_window_takes_over_the_frame_before_it_and_fades_into_its_own_decode():
+    """The seam (the frame before the window as it stands minus as decoded) is added in full weight minus one step
+    to the first new frame, a step less each frame, none from frame SEAM_FRAMES on; chunk by chunk as in one go;
+    clamped to uint8."""
+    frames = torch.full((SEAM_FRAMES + 4, 2, 2, 3), 100, dtype=torch.uint8)
+    seam = torch.full((2, 2, 3), 26, dtype=torch.int16)
+    seam[0, 0] = 200
+    whole = frames.clone()
+    carry_seam(whole, seam, 0)
+    step = 26 / (SEAM_FRAMES + 1)
+    expected = [100 + round(26 - (i + 1) * step) for i in range(SEAM_FRAMES)] + [100] * 4
+    assert whole[:, 1, 1, 0].tolist() == expected
+    assert whole[0, 0, 0, 0] == 255 and whole[SEAM_FRAMES:, 0, 0].eq(100).all()
+    parts = [frames[:5].clone(), frames[5:].clone()]
+    carry_seam(parts[0], seam, 0)
+    carry_seam(parts[1], seam, 5)
+    assert torch.equal(torch.cat(parts), whole)
 
 
 def test_audio_length_matches_the_frames_after_every_window(pipe, clip):

@@ -5,7 +5,8 @@ noised once to the condition level) and its audio latents (clean, cut at 40 Hz b
 condition rows at the times of the window's first latents; all media rows of the window sit on the global clock,
 shifted by s * 40/24 rotary units (s = the window's first pixel frame, fraction kept), after the longest prompt.
 The overlap is regenerated, then dropped. Windows are decoded one at a time with one VAE chunk of context, so
-memory per window is bounded and the source's own frames come back untouched. The result's frames stream out in
+memory per window is bounded and the source's own frames come back untouched; a window's first frames take over
+the frame before them as it stands and fade into their own decode (`carry_seam`). The result's frames stream out in
 order as they become final (PhaseEvent.frames): the source's with the first decoded chunk, then each chunk's new ones.
 """
 
@@ -25,6 +26,10 @@ from engine.models.phases import DecodedFrames, Phase
 
 AUDIO_PER_FRAME = L.AUDIO_LATENTS_PER_SECOND / L.FPS  # 5/3 audio latents per pixel frame
 CONTEXT_CHUNKS = 1  # VAE chunks (17 frames / 5 latents) decoded before a window's new frames
+# A window's first new frames carry the difference between the frame before them as it stands (the source's own
+# pixels, or the previous window's decode) and as this decode makes it, fading out over this many frames: without
+# it the VAE's reconstruction error of the source (or the other decode context) steps in at once at the boundary.
+SEAM_FRAMES = 12
 AUDIO_CONTEXT = 40  # audio latents decoded before a window's new sound
 
 
@@ -128,15 +133,18 @@ def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
         name = f"window {k + 1}/{len(windows)}"
         video_rows, audio_rows = pipe.run_denoise(layout, text, video, sound, steps, on_step, (T_w, h, w), name,
                                                   cond_video=cond_video, cond_audio=cond_audio)
-        new_latents = L.unpatchify(video_rows, T_w, h, w, cfg.patch_size)[:, :, ov:].cpu()
+        window_latents = L.unpatchify(video_rows, T_w, h, w, cfg.patch_size).cpu()
         new_audio = L.unpack_audio(audio_rows)[0][:, :, audio.shape[-1] - window.audio_start:].cpu()
         F_prev, Ta_prev = _frames_of(latents.shape[2]), audio.shape[-1]
-        latents = torch.cat([latents, new_latents], dim=2)
+        # Decoded from the context chunk on, with the regenerated overlap in place of the kept tail: the new frames'
+        # own past as the VAE's context
+        start, kept = 5 * _context_chunk(F_prev), latents.shape[2] - ov
+        decoded = torch.cat([latents[:, :, start:kept], window_latents[:, :, max(0, start - kept):]], dim=2)
+        latents = torch.cat([latents, window_latents[:, :, ov:]], dim=2)
         audio = torch.cat([audio, new_audio], dim=2)
         guide_sound = True
-        chunks = VideoVAE.decode_chunk_count(latents.shape[2] - 5 * _context_chunk(F_prev))
-        done = Phase(on_step, "decoding", chunks + 1, f"{name}: video")
-        streamed = _decode_new_frames(pipe, latents, out_frames, F_prev, streamed, done)
+        done = Phase(on_step, "decoding", VideoVAE.decode_chunk_count(decoded.shape[2]) + 1, f"{name}: video")
+        streamed = _decode_new_frames(pipe, decoded, out_frames, F_prev, streamed, done)
         done.detail = f"{name}: sound"
         sound = _decode_new_sound(pipe, audio, Ta_prev, emitted)[:, : out_audio.shape[1] - emitted]
         done()
@@ -160,19 +168,35 @@ def _context_chunk(first_new: int) -> int:
 
 def _decode_new_frames(pipe, latents: torch.Tensor, out: torch.Tensor, first_new: int, streamed: int,
                        done: Phase) -> int:
-    """Decode the frames from `first_new` on into `out`, starting at a VAE chunk boundary one chunk earlier for
-    context. After every chunk `done` hands out the frames of `out` final since the first `streamed` (the stream of
-    the result, in order); returns how many are final now."""
-    chunk = _context_chunk(first_new)
-    skip, stop = first_new - 17 * chunk, first_new  # context frames still to drop; end of the final frames
-    for pixels in pipe.video_vae.decode_chunks(latents[:, :, 5 * chunk:].to(pipe.device)):
+    """Decode the frames from `first_new` on into `out` from `latents` that start at the VAE chunk one before it
+    (`_context_chunk`), the seam carried into the first SEAM_FRAMES (`carry_seam`). After every chunk `done` hands
+    out the frames of `out` final since the first `streamed` (the stream of the result, in order); returns how many
+    are final now."""
+    skip, stop = first_new - 17 * _context_chunk(first_new), first_new  # context frames to drop; end of the final
+    seam = None
+    for pixels in pipe.video_vae.decode_chunks(latents.to(pipe.device)):
+        if seam is None and 0 < skip <= pixels.shape[0]:  # this chunk holds the frame before the first new one
+            seam = out[first_new - 1].short() - pixels[skip - 1].short()
         new = pixels[skip:]
         skip = max(0, skip - pixels.shape[0])
+        carry_seam(new, seam, stop - first_new)
         out[stop:stop + new.shape[0]] = new
         stop += new.shape[0]
         done(frames=DecodedFrames(streamed, out.shape[0], out[streamed:stop]) if stop > streamed else None)
         streamed = stop
     return stop
+
+
+def carry_seam(frames: torch.Tensor, seam: torch.Tensor | None, offset: int) -> None:
+    """Add to uint8 frames [n, H, W, 3], the `offset`-th new frames on, the seam [H, W, 3] (int16: the frame before
+    them as it stands minus as decoded) at the weights 1 - (i + 1) / (SEAM_FRAMES + 1) of new frame i, in place."""
+    if seam is None:
+        return
+    i = torch.arange(offset, offset + frames.shape[0])
+    weight = (1 - (i + 1) / (SEAM_FRAMES + 1)).clamp(min=0)
+    if weight.any():
+        carried = frames.short() + (weight.view(-1, 1, 1, 1) * seam).round().short()
+        frames.copy_(carried.clamp(0, 255))
 
 
 def _decode_new_sound(pipe, audio: torch.Tensor, first_new: int, emitted: int) -> torch.Tensor:
