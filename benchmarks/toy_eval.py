@@ -32,7 +32,7 @@ from engine.models.seedvr2.pipeline import SeedVR2Pipeline  # noqa: E402
 from training.captions import caption  # noqa: E402
 from training.guidance import GuidedDiT  # noqa: E402
 from training.quality import delta_e76, mean_colour_lab, psnr, ssim  # noqa: E402
-from training.scoring import score_clip  # noqa: E402
+from training.scoring import NAMED_CHECKS, score_clip  # noqa: E402
 from training.task_checks import (box_masks, extension_checks, removal_checks, repaint_checks,  # noqa: E402
                                   replacement_checks)
 from training.toy_scene import COLOURS, HORIZON, sample_scene, visible_on  # noqa: E402
@@ -41,9 +41,6 @@ from training.train import EVAL_SEED, FILES  # noqa: E402
 from training.train_seedvr2 import degrade, to_model  # noqa: E402
 
 
-# The t2va criterion: the named colour, motion (or stillness), background and, when humming, hum pitch.
-# "all checks" adds size, pan, rain and clicks.
-NAMED_CHECKS = ("colour", "motion", "background", "pitch")
 # The whole sky regenerated, as the shipped h3_repaint workflow does: at the repaint preset's 0.75 every step's
 # estimate keeps a quarter of the source, and the toy DiT reads the rest of a uniform sky through the noise (the
 # source comes back, ΔE 0.4-0.9 from it).

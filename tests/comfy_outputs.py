@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from engine.io.video import read_audio
-from training.scoring import score_clip
+from training.scoring import NAMED_CHECKS, score_clip
 
 FPS = 24
 ANALYSIS_WIDTH = 336  # edit checks decode frames at most this wide (a 1344x768 source -> 336x192)
@@ -33,9 +33,6 @@ INSIDE_MARGIN_PX = 4
 OUTSIDE_MARGIN_PX = 24
 # Frames around a frame-range mask's first and last frame left out of the comparison (4 frames per latent).
 EDGE_MARGIN_FRAMES = 8
-# A plain text-to-video clip of the embedded default must show these of its prompt (the issue's t2va criterion:
-# every object's colour, its motion, the background and, when humming, the hum's pitch).
-CAPTION_CHECKS = ("colour", "motion", "background", "pitch")
 
 
 @dataclass
@@ -79,10 +76,10 @@ def prompt_of_plain_t2va(prompt: dict, link) -> str | None:
 
 def caption_problems(clip: Clip, mp4: bytes, caption: str) -> tuple[list[str], dict[str, bool]]:
     """A clip of the embedded default (decoded for analysis) scored against its caption from its frames and sound
-    (training/scoring.py): the CAPTION_CHECKS must pass; all checks are returned as well."""
+    (training/scoring.py): its NAMED_CHECKS must pass; all checks are returned as well."""
     sound, rate = read_audio(mp4)
     checks = {k: bool(v) for k, v in score_clip(clip.pixels, sound, caption, sample_rate=rate)["checks"].items()}
-    missed = [k for k in CAPTION_CHECKS if not checks.get(k, True)]
+    missed = [k for k in NAMED_CHECKS if not checks.get(k, True)]
     return ([f"does not show its prompt {caption!r}: {', '.join(missed)} check(s) failed"] if missed else []), checks
 
 

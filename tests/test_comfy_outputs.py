@@ -4,6 +4,7 @@ node's file is, passes against its own caption and fails against one naming anot
 import comfy_outputs
 from engine.io.video import encode_mp4_bytes
 from training.captions import caption
+from training.scoring import NAMED_CHECKS
 from training.toy_scene import sample_scene
 from training.toy_world import render
 
@@ -16,7 +17,7 @@ def test_caption_check_passes_a_clip_of_its_caption_and_fails_another():
     mp4 = encode_mp4_bytes(clip.frames, audio=clip.audio)
     decoded = comfy_outputs.read_mp4(mp4, analysis=True)
     problems, checks = comfy_outputs.caption_problems(decoded, mp4, caption(scene))
-    assert problems == [] and all(checks[k] for k in comfy_outputs.CAPTION_CHECKS), checks
+    assert problems == [] and all(checks[k] for k in NAMED_CHECKS), checks
     other = caption(scene).replace(scene.objects[0].colour, "blue", 1).replace("moves right", "moves left")
     problems, checks = comfy_outputs.caption_problems(decoded, mp4, other)
     assert len(problems) == 1 and "colour" in problems[0] and "motion" in problems[0], problems

@@ -14,11 +14,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from benchmarks.toy_eval import NAMED_CHECKS, REPAINT_STRENGTH, scenes_where, sky_mask
+from benchmarks.toy_eval import REPAINT_STRENGTH, scenes_where, sky_mask
 from engine_fixture import start_engine
 from training.captions import caption
 from training.quality import psnr
-from training.scoring import score_clip
+from training.scoring import NAMED_CHECKS, score_clip
 from training.task_checks import repaint_checks
 from training.toy_scene import sample_scene
 from training.toy_world import render

@@ -55,6 +55,9 @@ PAN_TOLERANCE = 0.12  # |x from the pan - x of the object|, share of the width
 PAN_MIN_CORRELATION = 0.8
 PAN_MIN_TRAVEL = 0.05  # std of x (share of the width) above which pan must also correlate with x
 RAIN_LEVEL = 0.025  # median RMS of the high band with rain falling
+# Issue 18's t2va criterion: every named object's colour and motion (or stillness), the background and, when
+# humming, the hum's pitch. "All checks" adds size, pan, rain and clicks.
+NAMED_CHECKS = ("colour", "motion", "background", "pitch")
 
 BACKGROUND_RGB = np.array(list(dict.fromkeys(rgb for parts in BACKGROUNDS.values() for rgb in parts)), np.float32)
 PALETTE_RGB = np.concatenate([np.array(list(COLOURS.values()), np.float32), BACKGROUND_RGB])  # objects first
