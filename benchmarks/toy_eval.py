@@ -1,11 +1,11 @@
 """How the trained embedded default does on the toy world, scored from decoded frames and sound alone
 (training/scoring.py): t2va over captions of held-out scenes (colour, motion, background, pitch, clicks, rain; the
-share of clips passing each check, all of them, and the issue's four named ones) and fl2va (PSNR of generated frame
-0 against the rendered first frame, and of the last frame when both keyframes are given), the video VAE's
-reconstruction and the t2va checks on each clip round-tripped through both VAEs (the most a DiT can reach), masked
-edits of two-object clips (removal, replacement, sky repaint) and 5 s -> 15 s extensions (training/task_checks.py),
-and the trained SeedVR2 on degraded 2x clips against their bicubic upscale, and VSA's frames against dense
-attention's for the same seed. Prints a table and writes JSON.
+share of clips passing each check, all of them, and the issue's four named ones; for each bouncer, how closely its
+height follows the render's) and fl2va (PSNR of generated frame 0 against the rendered first frame, and of the last
+frame when both keyframes are given), the video VAE's reconstruction and the t2va checks on each clip round-tripped
+through both VAEs (the most a DiT can reach), masked edits of two-object clips (removal, replacement, sky repaint)
+and 5 s -> 15 s extensions (training/task_checks.py), and the trained SeedVR2 on degraded 2x clips against their
+bicubic upscale, and VSA's frames against dense attention's for the same seed. Prints a table and writes JSON.
 
     python benchmarks/toy_eval.py --weights engine/weights/toy --captions 20 --out benchmarks/results/toy_eval.json
     python benchmarks/toy_eval.py --steps 16 --video-shift 3 ...   # another sampler than the DiT file's
@@ -33,8 +33,8 @@ from training.captions import caption  # noqa: E402
 from training.guidance import GuidedDiT  # noqa: E402
 from training.quality import delta_e76, mean_colour_lab, psnr, ssim  # noqa: E402
 from training.scoring import NAMED_CHECKS, score_clip  # noqa: E402
-from training.task_checks import (box_masks, extension_checks, removal_checks, repaint_checks,  # noqa: E402
-                                  replacement_checks)
+from training.task_checks import (box_masks, extension_checks, height_correlation, removal_checks,  # noqa: E402
+                                  repaint_checks, replacement_checks)
 from training.toy_scene import COLOURS, HORIZON, sample_scene, visible_on  # noqa: E402
 from training.toy_world import MAX_FRAMES, render  # noqa: E402
 from training.train import EVAL_SEED, FILES  # noqa: E402
@@ -225,7 +225,9 @@ def main() -> int:
                "fl2va_first_frame_psnr": round(psnr(fl2va.frames[0].numpy(), truth.frames[0]), 2),
                "fl2va_both_first_psnr": round(psnr(both.frames[0].numpy(), truth.frames[0]), 2),
                "fl2va_both_last_psnr": round(psnr(both.frames[-1].numpy(), truth.frames[-1]), 2),
-               "vae_reconstruction_psnr": round(psnr(recon[:len(truth.frames)], truth.frames), 2)}
+               "vae_reconstruction_psnr": round(psnr(recon[:len(truth.frames)], truth.frames), 2),
+               "bounce_height_correlation": [round(height_correlation(t2va.frames.numpy(), truth, k), 3)
+                                             for k, o in enumerate(scene.objects) if o.motion == "bounces"]}
         rows.append(row)
         for name, ok in verdict.items():
             checks.setdefault(name, []).append(bool(ok))
@@ -240,6 +242,8 @@ def main() -> int:
                **{f"{k}_median": float(np.median([r[k] for r in rows])) for k in (
                    "fl2va_first_frame_psnr", "fl2va_both_first_psnr", "fl2va_both_last_psnr",
                    "vae_reconstruction_psnr")},
+               "t2va_bounce_height_correlation_median": float(np.median(
+                   [c for r in rows for c in r["bounce_height_correlation"]] or [np.nan])),
                **shares(edits, "removal"), **shares(edits, "replace"), **shares(edits, "repaint"),
                **shares(extensions, "extension"),
                **upscale_rows(args, width, height), **vsa_rows(pipe, args, width, height),
@@ -247,7 +251,7 @@ def main() -> int:
                "guidance": args.guidance, "steps": args.steps, "video_shift": pipe.video_shift}
     print("\n== toy eval (share of clips passing; PSNR in dB) ==")
     for k, v in summary.items():
-        print(f"{k:34s} {v:.3f}" if isinstance(v, float) else f"{k:34s} {v}")
+        print(f"{k:38s} {v:.3f}" if isinstance(v, float) else f"{k:38s} {v}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"summary": summary, "clips": rows, "edits": edits,
                                                 "extensions": extensions}, indent=1, default=float))

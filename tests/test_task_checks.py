@@ -6,7 +6,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from training.task_checks import box_masks, extension_checks, removal_checks, repaint_checks, replacement_checks
+from training.task_checks import (box_masks, extension_checks, height_correlation, removal_checks, repaint_checks,
+                                  replacement_checks)
 from training.toy_scene import HORIZON, ToyObject, Scene, sample_scene
 from training.toy_world import render
 
@@ -66,3 +67,15 @@ def test_extension_passes_the_continued_render_and_fails_a_cut():
     cut[244:] = other.frames[244:]
     bad = extension_checks(cut, truth.audio, truth, boundaries)["checks"]
     assert not bad["no_jump"] and not bad["velocity"] and not bad["no_drift"], bad
+
+
+def test_height_correlation_follows_the_bounce_and_not_a_still_or_late_one():
+    scene = next(s for s in map(sample_scene, range(1000))
+                 if len(s.objects) == 1 and s.objects[0].motion == "bounces")
+    truth = render(scene, W, H, 3.0)
+    bouncer = scene.objects[0]
+    assert height_correlation(truth.frames, truth, 0) > 0.95
+    still = render(replace(scene, objects=(replace(bouncer, motion="stays still"),)), W, H, 3.0).frames
+    assert abs(height_correlation(still, truth, 0)) < 0.2
+    late = replace(bouncer, bounce_phase=bouncer.bounce_phase + 0.5)  # half a period out of step
+    assert height_correlation(render(replace(scene, objects=(late,)), W, H, 3.0).frames, truth, 0) < 0

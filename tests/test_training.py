@@ -198,6 +198,25 @@ def test_a_fresh_video_decoder_keeps_the_latents(tmp_path):
     assert torch.equal(encode_video(vae, clips[0]), before)
 
 
+def test_the_temporal_weight_fits_the_frame_to_frame_change(tmp_path):
+    """`--vae-temporal-weight`: the decoder's error on each frame-to-frame change falls faster with it than on the
+    frames' error alone (same clip, seed and steps)."""
+    import numpy as np
+
+    from training.train import Log, fresh_video_decoder, toy_clips, train_video_vae
+
+    pipe = H3Pipeline.from_preset("toy")
+    clips = toy_clips(range(1), 96, 64, 0.9, 1)
+    last = {}
+    for weight in (0.0, 1.0):
+        torch.manual_seed(0)
+        vae, log = fresh_video_decoder(pipe.video_vae, seed=0), tmp_path / f"log{weight}.jsonl"
+        train_video_vae(vae, clips, 60.0, 1, Log(log), np.random.default_rng(0), max_steps=6, decoder_only=True,
+                        temporal_weight=weight)
+        last[weight] = json.loads(log.read_text().splitlines()[-1])["step_error"]
+    assert last[1.0] < last[0.0] / 2, last
+
+
 def test_text_encoder_stage_labels_every_attribute_a_caption_names():
     """`attributes` gives each of ATTRIBUTES a class within its count, the second object's 0 when there is none, and
     scenes whose captions differ in one word differ in exactly that attribute; the readout has a head per attribute."""

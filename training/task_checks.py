@@ -9,6 +9,9 @@ the task was given (its render: masks, centroids, colours). The thresholds are i
   for objects moving in a line or still),
   shows no jump (frame difference at the boundary <= 2x the clip's median), keeps the hum's pitch, and the last
   window's background stays within ΔE 5 of the first's.
+
+`height_correlation` is a graded measure, not one of the issue's checks: how closely a generated object's height
+follows the scene's own path (a bounce in time with the render's scores near 1, a still object near 0).
 """
 
 from __future__ import annotations
@@ -129,3 +132,17 @@ def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boun
     measured["background_drift_delta_e"] = drift
     checks["no_drift"] = bool(drift <= DRIFT_DELTA_E)
     return {"checks": checks, "measurements": measured}
+
+
+MIN_SEEN_FRAMES = 12
+
+
+def height_correlation(frames: np.ndarray, truth: ToyClip, index: int) -> float:
+    """Pearson correlation of object `index`'s tracked height (by its colour) with its rendered centroid's, over
+    the frames where it is seen; 0 when it is seen in fewer than MIN_SEEN_FRAMES or does not move."""
+    track = track_colour(colour_labels(frames), truth.scene.objects[index].colour)
+    seen = np.flatnonzero(track.present[:len(truth.centroids[index])])
+    y, wanted = track.y[seen], truth.centroids[index, seen, 1]
+    if len(seen) < MIN_SEEN_FRAMES or y.std() == 0 or wanted.std() == 0:
+        return 0.0
+    return float(np.corrcoef(y, wanted)[0, 1])

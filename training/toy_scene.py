@@ -66,16 +66,19 @@ GROWTH_TIME_S = 3.0
 # not where, and a small DiT that must also invent the place (anywhere on the canvas, as the world was until stop
 # 38) drew its objects faint and still. A mover crosses this share of its free range in CLEAR_SECONDS without
 # touching a wall, its path centred on its place (so a 5 s clip has no wall hit; longer renders reach the walls);
-# two objects stay OBJECT_GAP_PX apart for CLEAR_SECONDS; a bouncer's apex is this share of its free height;
-# scenes are this often humming / rainy.
+# two objects stay OBJECT_GAP_PX apart for CLEAR_SECONDS; scenes are this often humming / rainy.
+# Every bouncer bounces alike: apex BOUNCE_HEIGHT_SHARE of its free height, one floor contact every BOUNCE_PERIOD_S,
+# BOUNCE_PHASE of a period gone at t = 0 (never a contact then). Until stop 41 all three were drawn per clip; the
+# phases then part within 1.5 s, the mean path of "bounces" is a still object 18 px either side of y ~ 75, and that
+# mean is what the DiT's first steps drew from noise (its one-step estimate held the object at y 73-77).
 SLOTS = {1: (0.5,), 2: (0.25, 0.75)}  # share of the free range across the width, by number of objects
 PLACEMENT_JITTER = 0.1
 CLEAR_SECONDS = 6.0
 TRAVEL_SHARE = (0.35, 0.45)
 WALL_MARGIN = 0.05  # share of the free range a mover's path keeps from each wall
-BOUNCE_HEIGHT_SHARE = (0.55, 0.7)
-BOUNCE_PERIOD_S = (1.0, 1.3)
-BOUNCE_PHASE = (0.3, 0.45)  # never a contact at t = 0
+BOUNCE_HEIGHT_SHARE = 0.65
+BOUNCE_PERIOD_S = 1.2
+BOUNCE_PHASE = 0.35
 HUMMING_PROBABILITY, RAIN_PROBABILITY = 0.75, 0.4
 OBJECT_GAP_PX = 3.0
 
@@ -199,10 +202,9 @@ def _sample_object(rng: np.random.Generator, colour: str, slot: float, width: in
         return ToyObject(shape, colour, size, motion, float(x), float(y), speed=float(travel / CLEAR_SECONDS / extent))
     if motion == "bounces":
         lo, hi = _range_px(shape, s, 1, width, height)
-        apex = float(rng.uniform(*BOUNCE_HEIGHT_SHARE) * (hi - lo) / height)
-        period, phase = float(rng.uniform(*BOUNCE_PERIOD_S)), float(rng.uniform(*BOUNCE_PHASE))
-        obj = ToyObject(shape, colour, size, motion, float(x), float(y), bounce_height=apex, bounce_period=period,
-                        bounce_phase=phase)
+        obj = ToyObject(shape, colour, size, motion, float(x), float(y),
+                        bounce_height=BOUNCE_HEIGHT_SHARE * (hi - lo) / height, bounce_period=BOUNCE_PERIOD_S,
+                        bounce_phase=BOUNCE_PHASE)
         return replace(obj, y=float(centroid_px(obj, 0.0, width, height)[1]) / height)
     return ToyObject(shape, colour, size, motion, float(x), float(y))
 
