@@ -217,6 +217,34 @@ def test_the_temporal_weight_fits_the_frame_to_frame_change(tmp_path):
     assert last[1.0] < last[0.0] / 2, last
 
 
+COMPILED = """
+import sys, torch
+from pathlib import Path
+from torch._dynamo.utils import counters
+from training.train import load_compiled, save_compiled
+path = Path(sys.argv[1])
+load_compiled(path)
+torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU()))(torch.randn(4, 8))
+save_compiled(path)
+print(counters["inductor"]["fxgraph_cache_hit"])
+"""
+
+
+def test_a_compile_cache_file_carries_the_kernels_to_a_fresh_process(tmp_path):
+    """`--compile-cache`: a second process (its own empty Inductor cache folder, as on a fresh GPU machine) loads the
+    kernels the first wrote instead of compiling them."""
+    import os
+
+    hits = []
+    for run in range(2):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor{run}")}
+        out = subprocess.run([sys.executable, "-c", COMPILED, str(tmp_path / "compiled.bin")], env=env, check=True,
+                             capture_output=True, text=True, cwd=REPO)
+        hits.append(int(out.stdout.split()[-1]))
+        assert (tmp_path / "compiled.bin").stat().st_size > 0
+    assert hits[0] == 0 and hits[1] >= 1, hits
+
+
 def test_text_encoder_stage_labels_every_attribute_a_caption_names():
     """`attributes` gives each of ATTRIBUTES a class within its count, the second object's 0 when there is none, and
     scenes whose captions differ in one word differ in exactly that attribute; the readout has a head per attribute."""
