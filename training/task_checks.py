@@ -32,6 +32,7 @@ MIN_SPEED_PX_S = 4.0  # slower than this on both sides of a boundary counts as s
 JUMP_RATIO = 2.0
 DRIFT_DELTA_E = 5.0
 LINEAR_MOTIONS = (*DIRECTIONS, "stays still")
+MIN_SEEN_FRAMES = 12  # height_correlation: fewer frames with the object found score 0
 BOX_PAD = 6  # pixels around an object's bounding box, as a Mask Track Box drawn by hand leaves
 
 
@@ -132,9 +133,6 @@ def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boun
     measured["background_drift_delta_e"] = drift
     checks["no_drift"] = bool(drift <= DRIFT_DELTA_E)
     return {"checks": checks, "measurements": measured}
-
-
-MIN_SEEN_FRAMES = 12
 
 
 def height_correlation(frames: np.ndarray, truth: ToyClip, index: int) -> float:

@@ -68,9 +68,9 @@ GROWTH_TIME_S = 3.0
 # touching a wall, its path centred on its place (so a 5 s clip has no wall hit; longer renders reach the walls);
 # two objects stay OBJECT_GAP_PX apart for CLEAR_SECONDS; scenes are this often humming / rainy.
 # Every bouncer bounces alike: apex BOUNCE_HEIGHT_SHARE of its free height, one floor contact every BOUNCE_PERIOD_S,
-# BOUNCE_PHASE of a period gone at t = 0 (never a contact then). Until stop 41 all three were drawn per clip; the
-# phases then part within 1.5 s, the mean path of "bounces" is a still object 18 px either side of y ~ 75, and that
-# mean is what the DiT's first steps drew from noise (its one-step estimate held the object at y 73-77).
+# BOUNCE_PHASE of a period gone at t = 0 (never a contact then). Until stop 41 all three were drawn per clip: the
+# bounces then fall out of step within 1.5 s, their mean path is an object hovering near y ~ 75 px (the clips spread
+# 18 px about it), and that mean is what the DiT drew from noise (its one-step estimate held the object at 73-77).
 SLOTS = {1: (0.5,), 2: (0.25, 0.75)}  # share of the free range across the width, by number of objects
 PLACEMENT_JITTER = 0.1
 CLEAR_SECONDS = 6.0
