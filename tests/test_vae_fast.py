@@ -176,15 +176,16 @@ def test_encode_matches_diffusers(vae, untiled, num_frames, tiled):
 
 @torch.no_grad()
 def test_encoder_with_its_biases_folded_as_on_a_gpu_matches_diffusers(vae):
-    """The CUDA path's bias folding (conv1's into norm2, conv2's and the shortcut's into the residual sum), run in
-    fp32 on the CPU: diffusers' latents to rounding."""
+    """The CUDA path's order of work, run in fp32 on the CPU: bias folding (conv1's into norm2; conv2's and the
+    shortcut's into the residual sum; conv_in's and the downsamplers' into the next block), conv_in as a conv2d over
+    stacked frames, the downsamplers' inputs written by the residual sums: diffusers' latents to rounding."""
     encoder = vae.fast_encoder()
     x = pixels(1, 22, HEIGHT, ENCODE_WIDTH, seed=22)
-    encoder.fold_biases = True
+    encoder.fold_biases = encoder.stack_conv_in = True
     try:
         ours = vae._encoded_clips(x, lambda: None)
     finally:
-        encoder.fold_biases = False
+        encoder.fold_biases = encoder.stack_conv_in = False
     assert max_err(ours, vae.model._encode(x)) < TOL
     assert not torch.equal(ours, vae._encoded_clips(x, lambda: None))  # the folded order of additions did run
 
@@ -222,14 +223,17 @@ def test_encode_frames_recipe_matches_the_reference_path(untiled):
 
 # --- kernels -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("channels, groups, with_bias", [(12, 4, False), (256, 32, False), (12, 4, True)])
-def test_frame_group_norm_kernels_match_eager(channels, groups, with_bias):
+@pytest.mark.parametrize("channels, groups, with_bias, reflect", [(12, 4, False, False), (256, 32, False, False),
+                                                            (12, 4, True, True), (256, 32, True, True)])
+def test_frame_group_norm_kernels_match_eager(channels, groups, with_bias, reflect):
     """Channels-last input 40 standard deviations from zero (the shifted sums keep the variance: the eager fp32 norm
     is off by 1e-3 there), written into the interior of a padded channels-last buffer; against the eager fp64 norm.
-    With a bias folded in (a convolution's, per channel), against the eager norm of x + bias."""
-    load_kernels("engine.kernels.group_norm_triton")
+    With a bias folded in (a convolution's, per channel), against the eager norm of x + bias. With `reflect` the
+    buffer's border is the interior reflected (F.pad's), on both paths, and its causal frames stay untouched."""
+    kernels = load_kernels("engine.kernels.group_norm_triton")
     g = torch.Generator().manual_seed(channels)
-    n, t, h, w = 2, 3, 5, 7
+    # 256 channels: blocks of 32 pixels, rows of 40 (blocks inside a row and across two, the border stores in few)
+    n, t, h, w = (2, 3, 5, 7) if channels == 12 else (2, 2, 9, 40)
     x = (torch.randn(n, channels, t, h, w, generator=g) * 0.5 + 20.0).to(memory_format=torch.channels_last_3d)
     bias = 3 * torch.randn(channels, generator=g) if with_bias else None
     norm = nn.GroupNorm(groups, channels, eps=1e-6)
@@ -238,15 +242,22 @@ def test_frame_group_norm_kernels_match_eager(channels, groups, with_bias):
     want = torch.empty_like(x, dtype=torch.float64)
     x64 = x.double() if bias is None else x.double() + bias.double().view(-1, 1, 1, 1)
     group_norm.frame_group_norm_silu(x64, norm.double(), want)
+    if reflect:
+        want = torch.nn.functional.pad(want, (1, 1, 1, 1, 0, 0), mode="reflect")
     if bias is not None:  # the eager path folds the bias in too
         eager = torch.empty_like(want)
-        group_norm.frame_group_norm_silu(x.double(), norm.double(), eager, bias.double())
+        group_norm.frame_group_norm_silu(x.double(), norm.double(), eager, bias.double(), reflect)
         assert max_err(eager, want) < 1e-12
     x, norm, bias = x.to(DEVICE), norm.float().to(DEVICE), None if bias is None else bias.to(DEVICE)
     buffer = torch.zeros(n, channels, t + 2, h + 2, w + 2, device=DEVICE).to(memory_format=torch.channels_last_3d)
-    group_norm.frame_group_norm_silu_triton(x, norm, buffer[:, :, 2:, 1:-1, 1:-1], bias)
-    assert max_err(buffer[:, :, 2:, 1:-1, 1:-1].double().cpu(), want) < 1e-4
-    assert buffer[:, :, :2].abs().max() == 0 and buffer[..., 0].abs().max() == 0  # nothing written outside
+    written = buffer[:, :, 2:] if reflect else buffer[:, :, 2:, 1:-1, 1:-1]
+    group_norm.frame_group_norm_silu_triton(x, norm, written[..., 1:-1, 1:-1] if reflect else written, bias)
+    if reflect:
+        kernels.reflect_border(written, 1, 1, 1, 1)
+    assert max_err(written.double().cpu(), want) < 1e-4
+    assert buffer[:, :, :2].abs().max() == 0  # nothing written outside
+    if not reflect:
+        assert buffer[..., 0].abs().max() == 0 and buffer[..., -1, :].abs().max() == 0
 
 
 @pytest.mark.parametrize("out_dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -271,17 +282,60 @@ def test_scaled_residual_norm_kernel_matches_eager(out_dtype, tol):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
-def test_residual_bias_kernel_adds_skip_and_bias_in_place(dtype, tol):
-    kernels = load_kernels("engine.kernels.fused_triton")
+@pytest.mark.parametrize("pad", [None, 0, 1])
+def test_residual_bias_adds_skip_and_bias(dtype, tol, pad):
+    """In place (pad None), or into a downsampler's padded input: its 2 causal frames untouched, the sum in the
+    interior, with pad 1 the bottom row and right column reflected (F.pad's); the eager path and the kernel alike."""
+    kernels = load_kernels("engine.kernels.group_norm_triton")
     g = torch.Generator().manual_seed(0)
-    h, skip = (torch.randn(2, 12, 3, 5, 7, generator=g).to(memory_format=torch.channels_last_3d) for _ in range(2))
-    bias = torch.randn(12, generator=g)
+    # 130 channels: two channel blocks, one masked; blocks of 32 pixels over rows of 40
+    h, skip = (torch.randn(2, 130, 3, 9, 40, generator=g).to(memory_format=torch.channels_last_3d) for _ in range(2))
+    bias = torch.randn(130, generator=g)
     want = h + skip + bias.view(-1, 1, 1, 1)
-    assert max_err(fused.residual_bias(h.clone(), skip, bias), want) < 1e-6  # the eager path
+    if pad:
+        want = torch.nn.functional.pad(want, (0, 1, 0, 1, 0, 0), mode="reflect")
+
+    def padded_input(x):
+        return torch.zeros(2, 130, 5, 9 + pad, 40 + pad, dtype=x.dtype, device=x.device).to(
+            memory_format=torch.channels_last_3d)
+
+    x = h.clone()
+    buffer = None if pad is None else padded_input(x)
+    got = group_norm.residual_bias(x, skip, bias, *(() if pad is None else (buffer[:, :, 2:], pad, pad)))
+    assert max_err(got, want) < 1e-6  # the eager path
+    assert got is x if pad is None else buffer[:, :, :2].abs().max() == 0
+
     x = h.to(DEVICE, dtype)
-    got = kernels.residual_bias(x, skip.to(DEVICE, dtype), bias.to(DEVICE))
-    assert got is x and got.dtype == dtype
-    assert max_err(got.float().cpu(), want) < tol * want.abs().max().item()
+    buffer = None if pad is None else padded_input(x)
+    out = x if pad is None else buffer[:, :, 2:]
+    kernels.residual_bias(x, skip.to(DEVICE, dtype), bias.to(DEVICE), out[..., :9, :40])
+    if pad:
+        kernels.reflect_border(out, 0, 1, 0, 1)
+    assert max_err(out.float().cpu(), want) < tol * want.abs().max().item()
+    if pad is not None:
+        assert buffer[:, :, :2].abs().max() == 0
+
+
+@pytest.mark.parametrize("sides", [(1, 1, 1, 1), (0, 1, 0, 1), (1, 0, 0, 1)])
+def test_reflect_border_kernel_is_f_pad_reflect(sides):
+    """One launch writes the named borders of a strided buffer (a frames view of a padded input) from its interior,
+    corners both ways, as F.pad's reflect; the kernel and the eager copies alike, nothing else touched."""
+    kernels = load_kernels("engine.kernels.group_norm_triton")
+    top, bottom, left, right = sides
+    g = torch.Generator().manual_seed(sum(sides))
+    interior = torch.randn(2, 70, 3, 6, 37, generator=g)
+    want = torch.nn.functional.pad(interior, (left, right, top, bottom, 0, 0), mode="reflect")
+    for device in ("cpu", DEVICE):
+        buffer = torch.full((2, 70, 5, 6 + top + bottom, 37 + left + right), 7.0, device=device).to(
+            memory_format=torch.channels_last_3d)
+        frames = buffer[:, :, 2:]
+        frames[..., top:top + 6, left:left + 37] = interior.to(device)
+        if device == "cpu":
+            group_norm.reflect_border(frames, top, bottom, left, right)
+        else:
+            kernels.reflect_border(frames, top, bottom, left, right)
+        assert max_err(frames.cpu(), want) == 0
+        assert (buffer[:, :, :2] == 7.0).all()
 
 
 def test_scaled_residual_norm_kernel_quantizes_fp8_rows_as_the_reference():

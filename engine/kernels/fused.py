@@ -125,16 +125,6 @@ def scaled_residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, n
     return x, rms_norm(x, norm, dtype, fp8_rows)
 
 
-def residual_bias(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """x += y + bias in place: x and y [N, C, T, H, W], bias [C] (a convolution's output, its skip, and the biases
-    the convolutions left out, in one pass instead of three)."""
-    if _triton(x) and x.stride() == y.stride() and x.is_contiguous(memory_format=torch.channels_last_3d):
-        from engine.kernels import fused_triton
-
-        return fused_triton.residual_bias(x, y, bias.float().contiguous())
-    return x.add_(y).add_(bias.view(-1, 1, 1, 1))
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half on the leading `cos.shape[-1]` channels of every head of x [B, S, H, D]; the rest pass."""
     r = cos.shape[-1]

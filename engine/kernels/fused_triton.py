@@ -108,23 +108,6 @@ def scaled_residual_norm(x, y, gate, weight, eps, out_dtype):
 
 
 @triton.jit
-def _residual_bias_kernel(X, Y, BIAS, numel, C, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offsets < numel
-    x = tl.load(X + offsets, mask=ok, other=0.0).to(tl.float32)
-    y = tl.load(Y + offsets, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(BIAS + offsets % C, mask=ok, other=0.0)
-    tl.store(X + offsets, (x + y + b).to(X.dtype.element_ty), mask=ok)
-
-
-def residual_bias(x, y, bias, block=4096):
-    """x += y + bias for channels-last x and y of one layout (channels innermost), bias fp32 [C]."""
-    _residual_bias_kernel[(triton.cdiv(x.numel(), block),)](x, y, bias, x.numel(), x.shape[1], BLOCK=block,
-                                                             num_warps=8)
-    return x
-
-
-@triton.jit
 def _qk_norm_rope_kernel(
     QKV, Q, K, V, QW, KW, COS, SIN,
     S, H, eps,

@@ -3,7 +3,9 @@ the rows of a contiguous [P, C] block at f * P * C.
 
 `shifted_sums`: per frame and channel, the sums of (x - x0) and (x - x0)^2 over a chunk of pixels (x0: the frame's
 first pixel, so the variance never comes from a difference of two large sums). `scale_shift_silu`: silu(x * a + b)
-with one (a, b) row per frame, written through any output strides (the interior of a padded buffer).
+with one (a, b) row per frame, and `residual_bias`: x + y + bias, each written through any output strides (the interior
+of the next convolution's padded input). `reflect_border`: that buffer's one-pixel border as the interior's reflection,
+in one launch that touches the border alone.
 """
 
 from __future__ import annotations
@@ -55,6 +57,41 @@ def shifted_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
+def _reflect_border_kernel(BUF, H, W, C, T, b_n, b_c, b_t, b_h, b_w, top, bottom, left, right,
+                           BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Border pixels of one frame in padded coordinates [H + top + bottom, W + left + right]: the top and bottom rows
+    # (full width), then the left and right columns between them; each reads its reflection in the interior.
+    frame = tl.program_id(1).to(tl.int64)
+    i = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    width = W + left + right
+    rows_done = (top + bottom) * width
+    in_rows = i < rows_done
+    row = tl.where(in_rows, tl.where(i < top * width, 0, H + top + bottom - 1), top + (i - rows_done) % H)
+    col = tl.where(in_rows, i % width, tl.where((i - rows_done) < left * H, 0, W + left + right - 1))
+    # padded -> interior coordinates, reflected: -1 -> 1, H -> H - 2
+    r, c = row - top, col - left
+    r = tl.where(r < 0, -r, tl.where(r >= H, 2 * H - 2 - r, r))
+    c = tl.where(c < 0, -c, tl.where(c >= W, 2 * W - 2 - c, c))
+    ok = (i < rows_done + (left + right) * H)[:, None] & (cols < C)[None, :]
+    base = BUF + (frame // T) * b_n + (frame % T) * b_t + cols[None, :] * b_c
+    value = tl.load(base + ((r + top) * b_h + (c + left) * b_w).to(tl.int64)[:, None], mask=ok)
+    tl.store(base + (row * b_h + col * b_w).to(tl.int64)[:, None], value, mask=ok)
+
+
+def reflect_border(buffer: torch.Tensor, top: int, bottom: int, left: int, right: int) -> None:
+    """The named one-pixel borders of buffer [N, C, T, H, W] (any strides) as the reflection of its interior, in one
+    launch: F.pad(..., mode="reflect") of buffer[..., top:H - bottom, left:W - right]."""
+    n, c, t, h, w = buffer.shape
+    h, w = h - top - bottom, w - left - right
+    border = (top + bottom) * (w + left + right) + (left + right) * h
+    block_p, block_c = _blocks(c)
+    _reflect_border_kernel[(triton.cdiv(border, block_p), n * t, triton.cdiv(c, block_c))](
+        buffer, h, w, c, t, *(buffer.stride(i) for i in range(5)), top, bottom, left, right, BLOCK_P=block_p,
+        BLOCK_C=block_c, num_warps=4)
+
+
+@triton.jit
 def _scale_shift_silu_kernel(X, A, B, OUT, P, C, T, W, o_n, o_c, o_t, o_h, o_w,
                              BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     pix = (tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)
@@ -79,4 +116,31 @@ def scale_shift_silu(rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: 
     block_p, block_c = _blocks(C)
     _scale_shift_silu_kernel[(triton.cdiv(P, block_p), F, triton.cdiv(C, block_c))](
         rows, a, b, out, P, C, T, W, *(out.stride(i) for i in range(5)), BLOCK_P=block_p, BLOCK_C=block_c,
+        num_warps=4)
+
+
+@triton.jit
+def _residual_bias_kernel(X, Y, BIAS, OUT, P, C, T, W, o_n, o_c, o_t, o_h, o_w,
+                          BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    pix = (tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)
+    frame = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    ok = (pix < P)[:, None] & col_ok[None, :]
+    src = frame * P * C + pix[:, None] * C + cols[None, :]
+    x = tl.load(X + src, mask=ok, other=0.0).to(tl.float32)
+    y = tl.load(Y + src, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(BIAS + cols, mask=col_ok, other=0.0)
+    dst = (frame // T) * o_n + (frame % T) * o_t + (pix // W * o_h + pix % W * o_w)[:, None] + cols[None, :] * o_c
+    tl.store(OUT + dst, (x + y + b[None, :]).to(OUT.dtype.element_ty), mask=ok)
+
+
+def residual_bias(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x + y + bias; x and y [N, C, T, H, W] channels-last, bias fp32 [C], out [N, C, T, H, W] with any
+    strides (x itself: in place)."""
+    n, c, t, h, w = x.shape
+    block_p, block_c = _blocks(c)
+    rows = [v.permute(0, 2, 3, 4, 1).view(n * t, h * w, c) for v in (x, y)]
+    _residual_bias_kernel[(triton.cdiv(h * w, block_p), n * t, triton.cdiv(c, block_c))](
+        *rows, bias, out, h * w, c, t, w, *(out.stride(i) for i in range(5)), BLOCK_P=block_p, BLOCK_C=block_c,
         num_warps=4)
