@@ -92,36 +92,9 @@ def reflect_border(buffer: torch.Tensor, top: int, bottom: int, left: int, right
 
 
 @triton.jit
-def _scale_shift_silu_kernel(X, A, B, OUT, P, C, T, W, o_n, o_c, o_t, o_h, o_w,
-                             BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    pix = (tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)
-    frame = tl.program_id(1).to(tl.int64)
-    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    ok = (pix < P)[:, None] & col_ok[None, :]
-    x = tl.load(X + frame * P * C + pix[:, None] * C + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    a = tl.load(A + frame * C + cols, mask=col_ok, other=0.0)
-    b = tl.load(B + frame * C + cols, mask=col_ok, other=0.0)
-    y = x * a[None, :] + b[None, :]
-    y = y * tl.sigmoid(y)
-    dst = (frame // T) * o_n + (frame % T) * o_t + (pix // W * o_h + pix % W * o_w)[:, None] + cols[None, :] * o_c
-    tl.store(OUT + dst, y.to(OUT.dtype.element_ty), mask=ok)
-
-
-def scale_shift_silu(rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """out[n, :, t, h, w] = silu(rows[n * T + t, h * W + w] * a[n * T + t] + b[n * T + t]); rows [F, P, C]
-    contiguous, a and b fp32 [F, C], out [N, C, T, H, W] with any strides."""
-    F, P, C = rows.shape
-    T, W = out.shape[2], out.shape[4]
-    block_p, block_c = _blocks(C)
-    _scale_shift_silu_kernel[(triton.cdiv(P, block_p), F, triton.cdiv(C, block_c))](
-        rows, a, b, out, P, C, T, W, *(out.stride(i) for i in range(5)), BLOCK_P=block_p, BLOCK_C=block_c,
-        num_warps=4)
-
-
-@triton.jit
-def _residual_bias_kernel(X, Y, BIAS, OUT, P, C, T, W, o_n, o_c, o_t, o_h, o_w,
-                          BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def _pointwise_kernel(X, Y, A, B, OUT, P, C, T, W, ab_frame, o_n, o_c, o_t, o_h, o_w,
+                      SILU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    # SILU: silu(x * a + b), (a, b) a row per frame; else x + y + b, b one row (ab_frame 0).
     pix = (tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)
     frame = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -129,18 +102,36 @@ def _residual_bias_kernel(X, Y, BIAS, OUT, P, C, T, W, o_n, o_c, o_t, o_h, o_w,
     ok = (pix < P)[:, None] & col_ok[None, :]
     src = frame * P * C + pix[:, None] * C + cols[None, :]
     x = tl.load(X + src, mask=ok, other=0.0).to(tl.float32)
-    y = tl.load(Y + src, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(BIAS + cols, mask=col_ok, other=0.0)
+    b = tl.load(B + frame * ab_frame + cols, mask=col_ok, other=0.0)
+    if SILU:
+        a = tl.load(A + frame * ab_frame + cols, mask=col_ok, other=0.0)
+        v = x * a[None, :] + b[None, :]
+        v = v * tl.sigmoid(v)
+    else:
+        v = x + tl.load(Y + src, mask=ok, other=0.0).to(tl.float32) + b[None, :]
     dst = (frame // T) * o_n + (frame % T) * o_t + (pix // W * o_h + pix % W * o_w)[:, None] + cols[None, :] * o_c
-    tl.store(OUT + dst, (x + y + b[None, :]).to(OUT.dtype.element_ty), mask=ok)
+    tl.store(OUT + dst, v.to(OUT.dtype.element_ty), mask=ok)
+
+
+def _pointwise(x_rows: torch.Tensor, y_rows: torch.Tensor | None, a: torch.Tensor | None, b: torch.Tensor,
+               out: torch.Tensor) -> None:
+    F, P, C = x_rows.shape
+    block_p, block_c = _blocks(C)
+    silu = y_rows is None
+    _pointwise_kernel[(triton.cdiv(P, block_p), F, triton.cdiv(C, block_c))](
+        x_rows, x_rows if silu else y_rows, a if silu else b, b, out, P, C, out.shape[2], out.shape[4],
+        C if silu else 0, *(out.stride(i) for i in range(5)), SILU=silu, BLOCK_P=block_p, BLOCK_C=block_c,
+        num_warps=4)
+
+
+def scale_shift_silu(rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out[n, :, t, h, w] = silu(rows[n * T + t, h * W + w] * a[n * T + t] + b[n * T + t]); rows [F, P, C]
+    contiguous, a and b fp32 [F, C], out [N, C, T, H, W] with any strides."""
+    _pointwise(rows, None, a, b, out)
 
 
 def residual_bias(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> None:
     """out = x + y + bias; x and y [N, C, T, H, W] channels-last, bias fp32 [C], out [N, C, T, H, W] with any
     strides (x itself: in place)."""
     n, c, t, h, w = x.shape
-    block_p, block_c = _blocks(c)
-    rows = [v.permute(0, 2, 3, 4, 1).view(n * t, h * w, c) for v in (x, y)]
-    _residual_bias_kernel[(triton.cdiv(h * w, block_p), n * t, triton.cdiv(c, block_c))](
-        *rows, bias, out, h * w, c, t, w, *(out.stride(i) for i in range(5)), BLOCK_P=block_p, BLOCK_C=block_c,
-        num_warps=4)
+    _pointwise(*(v.permute(0, 2, 3, 4, 1).view(n * t, h * w, c) for v in (x, y)), None, bias, out)
