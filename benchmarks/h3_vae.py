@@ -6,7 +6,8 @@ run, on full-size random weights of the released config.
      fp16, bf16 and fp8 (bf16 activations; fast accumulation, and exact for comparison), ours fp16 to uint8 host
      frames (what the engine streams).
   2. Encode of 124 frames at 1344x768 (the keyframe recipe, `encode_frames`): diffusers fp32 (as released),
-     diffusers fp16 autocast, ours bf16 (the default) and fp16.
+     diffusers fp16 autocast, ours bf16 (the default), fp16, and fp8 (`encode_fp8`: the ResNet blocks' k3
+     convolutions with fp8 inputs and weights, engine/kernels/conv_fp8.py).
 
 Each row: seconds, TFLOP/s (counted analytically: decoder GEMMs + attention per token, encoder convolutions; each
 path's own work), peak GPU memory, and its error against the diffusers fp32 row: PSNR of the decoded frames (ImageNet
@@ -176,18 +177,20 @@ def encode(args, vae, device) -> None:
             return vae.encode_frames(frames)
 
     ours = lambda: vae.encode_frames(frames)  # noqa: E731
-    rows = [("diffusers fp16 autocast", autocast, True, None, 1, diffusers_flops),
-            ("ours bf16", ours, False, torch.bfloat16, args.iters, ours_flops),
-            ("ours fp16", ours, False, torch.float16, args.iters, ours_flops)]
+    rows = [("diffusers fp16 autocast", autocast, True, None, False, 1, diffusers_flops),
+            ("ours bf16", ours, False, torch.bfloat16, False, args.iters, ours_flops),
+            ("ours fp16", ours, False, torch.float16, False, args.iters, ours_flops),
+            ("ours fp8 block convolutions", ours, False, torch.bfloat16, True, args.iters, ours_flops)]
     results = []
-    for name, fn, reference, dtype, iters, flops in rows:
-        vae.reference, vae.encode_dtype = reference, dtype or vae.encode_dtype
+    for name, fn, reference, dtype, fp8, iters, flops in rows:
+        vae.reference, vae.encode_dtype, vae.encode_fp8 = reference, dtype or vae.encode_dtype, fp8
         run = measure(fn, device, 1, iters)
         err = (run.result - oracle).abs()
+        compute = "fp8" if fp8 else dtype_name(vae.fast_encoder().dtype)
         results.append((name, run, flops, dict(
             latents_max_abs_err=float(f"{err.max():.3g}"), latents_mean_abs_err=float(f"{err.mean():.3g}"),
-            **({} if reference else {"compute": dtype_name(vae.fast_encoder().dtype)}))))
-    vae.reference, vae.encode_dtype = False, torch.bfloat16
+            **({} if reference else {"compute": compute}))))
+    vae.reference, vae.encode_dtype, vae.encode_fp8 = False, torch.bfloat16, False
     reference_frames = decoded(oracle)
     for name, run, flops, errors in results:
         add_row("encode", name, run, flops, **errors, decode_psnr=psnr(decoded(run.result), reference_frames, vae))

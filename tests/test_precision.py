@@ -51,7 +51,8 @@ def test_int8_on_a_model_too_narrow_for_convrot_is_refused():
 
 @pytest.mark.parametrize("flag, summary", [
     ("--dit-precision", "H3 tiny (float32; fp8 weights dequantized per layer)"),
-    ("--text-encoder-precision", "H3 tiny (float32) · text encoder fp8 weights dequantized per layer")])
+    ("--text-encoder-precision", "H3 tiny (float32) · text encoder fp8 weights dequantized per layer"),
+    ("--vae-precision", "H3 tiny (float32) · video VAE fp8")])
 def test_engine_with_fp8_reports_it_and_runs_a_job(tmp_path, flag, summary):
     with start_engine(tmp_path, flag, "fp8") as engine:
         status = asyncio.run(engine.client().status())

@@ -70,6 +70,7 @@ class ModelSource:
     gpu_memory_gb: float | None = None  # plan for this much per GPU (None: a GPU's own; no plan on a CPU)
     host_memory_gb: float | None = None  # plan for this much host memory (None: what the host has available)
     text_encoder_precision: str = "bf16"  # fp8 / int8: its decoder GEMMs stored quantized (engine.models.h3.precision)
+    vae_precision: str = "bf16"  # fp8: the video VAE's decoder GEMMs and encoder block convolutions in float8
     # Tensor-parallel degree; the ranks / tp groups run Ulysses (engine/parallel/mesh.py). None: the memory
     # planner's choice (1 without a plan).
     tp: int | None = None
@@ -118,6 +119,7 @@ def load_pipeline(source: ModelSource, ctx: RankContext):
     # ValueError, naming what is possible, for a --tp these ranks cannot run.
     mesh = plan(ctx.world_size, source.tp, pipe.dit.config) if source.tp is not None else None
     set_text_encoder_precision(pipe.conditioner, source.text_encoder_precision)
+    pipe.video_vae.decode_fp8 = pipe.video_vae.encode_fp8 = source.vae_precision == "fp8"
     precision = source.dit_precision
     if planning:
         hw = hardware(ctx.device, ctx.world_size, source.gpu_memory_gb, source.host_memory_gb, held_on_host(pipe),

@@ -237,9 +237,11 @@ class H3Pipeline:
         text_format = files["text_encoder"]["format"] if files else None
         online = self.text_encoder_quantized() if text_format in (None, "bf16", "fp16", "fp32") else None
         text = "; ".join(filter(None, (text_format, online and f"{online} weights dequantized per layer")))
+        vae_fp8 = " · video VAE fp8" if self.video_vae.decode_fp8 else ""  # `--vae-precision fp8`
         if not files:
-            return dit + (f" · text encoder {text}" if text else "")
-        return f"{dit} · text encoder {text} · VAEs {files['video_vae']['format']}/{files['audio_vae']['format']}"
+            return dit + (f" · text encoder {text}" if text else "") + vae_fp8
+        return (f"{dit} · text encoder {text} · VAEs {files['video_vae']['format']}/{files['audio_vae']['format']}"
+                + vae_fp8)
 
     def text_encoder_quantized(self) -> str | None:
         """fp8 / int8 when the text encoder's decoder GEMMs are stored quantized (`--text-encoder-precision`)."""

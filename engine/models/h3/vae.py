@@ -295,7 +295,8 @@ class VideoVAE(nn.Module):
     `reference`: run diffusers' loops (the oracle) instead of the fast path. The fast path's networks are packed
     from `model` on first use, and again when the device, a precision below or `model`'s weights (trained in place)
     change: `decode_dtype` and `encode_dtype` are their CUDA compute dtypes (the CPU computes in fp32),
-    `decode_fp8` turns the decoder blocks' GEMMs to float8 (with bf16 activations). `decode_tokens` and
+    `decode_fp8` turns the decoder blocks' GEMMs to float8 (with bf16 activations), `encode_fp8` the encoder
+    blocks' convolutions (with fp8 activations; engine.kernels.conv_fp8). `decode_tokens` and
     `encode_voxels` bound the fast path's batches (decoder tokens, encoder pixels x frames per call): the memory plan
     sets them (engine/runtime/planner.py); they do not change the output.
     """
@@ -307,7 +308,8 @@ class VideoVAE(nn.Module):
         self.reference = reference
         # bf16: 3.4 s and 69 dB against diffusers fp32 for 124 frames 1344x768 on an H200, fp16 3.7 s and 85 dB
         # (benchmarks/results/h3_vae_h200_run1.json)
-        self.decode_dtype, self.encode_dtype, self.decode_fp8 = torch.bfloat16, torch.bfloat16, False
+        self.decode_dtype, self.encode_dtype, self.decode_fp8, self.encode_fp8 = (torch.bfloat16, torch.bfloat16,
+                                                                                  False, False)
         self.decode_tokens, self.encode_voxels = DECODE_TOKENS, ENCODE_VOXELS
         self._fast: dict[str, tuple[tuple, nn.Module]] = {}  # kind -> (key, network); not submodules
         _check_stats(latents_mean, latents_std, model.config.latent_channels, "video VAE")
@@ -345,14 +347,17 @@ class VideoVAE(nn.Module):
 
     def served_bytes(self) -> int:
         """What `place` puts on a GPU: the decoder's GEMM weights in its compute dtype (fp8: 1 byte), the
-        encoder's convolutions in theirs, and their fp32 norms, scales and small projections."""
+        encoder's convolutions in theirs (its blocks' k3 ones 1 byte with `encode_fp8`), and their fp32 norms, scales
+        and small projections."""
         gemm = 1 if self.decode_fp8 else torch.finfo(self.decode_dtype).bits // 8
         conv = torch.finfo(self.encode_dtype).bits // 8
         total = 0
         for module in (self.model.decoder, self.model.post_quant_conv, self.model.encoder, self.model.quant_conv):
             for name, p in module.named_parameters():
                 half = p.dim() > 1 and module is not self.model.quant_conv and "proj_in" not in name
-                total += p.numel() * ((gemm if module is self.model.decoder else conv) if half else 4)
+                block_conv = self.encode_fp8 and ".resnets." in name and name.endswith(("conv1.weight", "conv2.weight"))
+                total += p.numel() * ((gemm if module is self.model.decoder else 1 if block_conv else conv)
+                                      if half else 4)
         return total
 
     def _fast_network(self, kind: str, build: Callable[[torch.dtype], nn.Module], dtype: torch.dtype,
@@ -371,7 +376,9 @@ class VideoVAE(nn.Module):
                                   dtype, fp8)
 
     def fast_encoder(self) -> CausalEncoder:
-        return self._fast_network("encoder", lambda dt: CausalEncoder(self.model, dt, self.device), self.encode_dtype)
+        fp8 = self.encode_fp8
+        return self._fast_network("encoder", lambda dt: CausalEncoder(self.model, dt, self.device, fp8),
+                                  self.encode_dtype, fp8)
 
     def encode_chunks(self, num_frames: int) -> int:
         """How often `encode_frames` of `num_frames` frames calls `on_chunk`: once per clip of 17 frames."""

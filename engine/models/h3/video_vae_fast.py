@@ -12,7 +12,8 @@ clip starts from zero causal padding), so they go through the network together, 
 norms (as diffusers keeps them), the engine's attention and fused norm / RoPE / SwiGLU kernels; optionally fp8 GEMMs.
 `CausalEncoder`: convolutions in bf16 and channels-last on CUDA, each per-frame GroupNorm + SiLU written straight
 into the next convolution's padded input (its reflected border too), every convolution bias on CUDA added inside a
-pass made anyway. On the CPU both compute in fp32 and equal diffusers to rounding.
+pass made anyway; optionally the blocks' k3 convolutions in fp8 (engine.kernels.conv_fp8). On the CPU both compute
+in fp32 and equal diffusers to rounding.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from diffusers import AutoencoderKLMiniMaxH3
 
-from engine.kernels import capability, fused
+from engine.kernels import capability, conv_fp8, fused
 from engine.kernels.attention import dense
+from engine.kernels.fused import FP8
 from engine.kernels.group_norm import frame_group_norm_silu, reflect_border, residual_bias
 from engine.quant import transform
 from engine.quant.fp8 import Fp8Linear
@@ -292,13 +294,11 @@ def _padded(x: torch.Tensor, front: int, top: int, bottom: int, left: int, right
     return buffer, buffer[:, :, front:, top:top + h, left:left + w]
 
 
-
-
 class CausalEncoder(nn.Module):
     """diffusers' `MiniMaxH3VideoEncoder3d` + `quant_conv`, one call for a batch of equal tiles: convolutions in the
     compute dtype (channels-last on CUDA), GroupNorm weights and the 1x1x1 `quant_conv` in fp32."""
 
-    def __init__(self, model: AutoencoderKLMiniMaxH3, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: AutoencoderKLMiniMaxH3, dtype: torch.dtype, device: torch.device, fp8: bool = False):
         super().__init__()
         self.dtype = dtype
         self.memory_format = torch.channels_last_3d if device.type == "cuda" else torch.contiguous_format
@@ -319,6 +319,12 @@ class CausalEncoder(nn.Module):
         self.conv_in_stacked = F.pad(stacked, (0, 0, 0, 0, 0, -stacked.shape[1] % 8)).contiguous(
             memory_format=torch.channels_last if device.type == "cuda" else torch.contiguous_format)
         self.quant_conv = copy.deepcopy(model.quant_conv).to(device, torch.float32).requires_grad_(False)
+        # `fp8`: the ResNet blocks' k3 convolutions (~85 % of the FLOPs) in float8 (engine.kernels.conv_fp8), each
+        # fed by a GroupNorm + SiLU that writes its padded input in fp8.
+        self.fp8 = {conv: conv_fp8.quantize_weight(conv.weight) for level in self.encoder.down_blocks
+                    for block in level.resnets for conv in (block.conv1, block.conv2)} if fp8 else {}
+        for conv in self.fp8:
+            conv.weight = None
 
     def _pad(self, x: torch.Tensor, front: int, top: int, bottom: int, left: int, right: int) -> torch.Tensor:
         buffer, interior = _padded(x, front, top, bottom, left, right, self.dtype, self.memory_format)
@@ -326,15 +332,20 @@ class CausalEncoder(nn.Module):
         buffer[:, :, :front].zero_()
         return reflect_border(buffer, top, bottom, left, right)
 
-    def _norm_silu_padded(self, x: torch.Tensor, norm: nn.GroupNorm, bias: torch.Tensor | None) -> torch.Tensor:
-        """The input of a k3 convolution after a per-frame GroupNorm + SiLU of x + bias (2 causal frames, reflect 1)."""
-        buffer, _ = _padded(x, 2, 1, 1, 1, 1, self.dtype, self.memory_format)
+    def _norm_silu_padded(self, x: torch.Tensor, norm: nn.GroupNorm, bias: torch.Tensor | None,
+                          conv: nn.Conv3d) -> torch.Tensor:
+        """conv's input after a per-frame GroupNorm + SiLU of x + bias (2 causal frames, reflect 1)."""
+        dtype = FP8 if conv in self.fp8 else self.dtype
+        buffer, _ = _padded(x, 2, 1, 1, 1, 1, dtype, self.memory_format)
         buffer[:, :, :2].zero_()
         frame_group_norm_silu(x, norm, buffer[:, :, 2:], bias, reflect=True)
         return buffer
 
     def _conv(self, conv: nn.Conv3d, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """conv(x), and the bias still to add to it (None when the convolution added it)."""
+        if conv in self.fp8:
+            y = conv_fp8.conv3d_k3(x, *self.fp8[conv], self.dtype)
+            return (y, conv.bias.float()) if self.fold_biases else (y.add_(conv.bias.view(-1, 1, 1, 1)), None)
         if self.fold_biases:
             return F.conv3d(x, conv.weight, None, stride=conv.stride), conv.bias.float()
         return F.conv3d(x, conv.weight, conv.bias, stride=conv.stride), None
@@ -355,8 +366,8 @@ class CausalEncoder(nn.Module):
     def _resnet(self, block, x: torch.Tensor, x_bias: torch.Tensor | None, pad: int | None = None) -> torch.Tensor:
         """The block's output for the input x + x_bias; with `pad` (0 or 1) as the input of a downsampler: after 2
         causal frames, with `pad` reflected rows and columns at the bottom / right."""
-        h, h_bias = self._conv(block.conv1, self._norm_silu_padded(x, block.norm1, x_bias))
-        h, bias = self._conv(block.conv2, self._norm_silu_padded(h, block.norm2, h_bias))
+        h, h_bias = self._conv(block.conv1, self._norm_silu_padded(x, block.norm1, x_bias, block.conv1))
+        h, bias = self._conv(block.conv2, self._norm_silu_padded(h, block.norm2, h_bias, block.conv2))
         skip, skip_bias = (x, x_bias) if block.conv_shortcut is None else self._conv(block.conv_shortcut, x)
         if block.conv_shortcut is not None and x_bias is not None:  # shortcut(x + b) = shortcut(x) + W b
             skip_bias = skip_bias + block.conv_shortcut.weight.float().flatten(1) @ x_bias
@@ -384,6 +395,6 @@ class CausalEncoder(nn.Module):
                 x, bias = self._resnet(block, x, bias, pad), None
             if down is not None:
                 x, bias = self._conv(down.conv, x)
-        x, out_bias = self._conv(e.conv_out, self._norm_silu_padded(x, e.norm_out, bias))
+        x, out_bias = self._conv(e.conv_out, self._norm_silu_padded(x, e.norm_out, bias, e.conv_out))
         x = x.float() if out_bias is None else x.float() + out_bias.view(-1, 1, 1, 1)
         return F.conv3d(x, self.quant_conv.weight, self.quant_conv.bias).contiguous()
