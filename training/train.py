@@ -167,13 +167,15 @@ def pixels(frames: np.ndarray, device) -> torch.Tensor:
 
 def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log, rng, max_steps=None,
                     decoder_only: bool = False, near_object_weight: float = OBJECT_WEIGHT,
-                    temporal_weight: float = 0.0) -> None:
+                    temporal_weight: float = 0.0, bounce_boost: float = 1.0) -> None:
     """Reconstruction weighted near the objects (+ a faint KL); `decoder_only` keeps the encoder, so the latents a
     DiT learned stay valid. Unweighted, the ~3 % of pixels that hold objects hardly count: small and fast objects
     came back too faint to find by colour in a quarter of the held-out round trips. `near_object_weight` is the
     weight added near them. `temporal_weight` adds the error of each frame-to-frame change: a latent's frames come
     from one token, so their errors move together and jump where the next latent's start (every decoded clip
-    stepped ~2x its median frame difference at each latent boundary, an extension's joins included)."""
+    stepped ~2x its median frame difference at each latent boundary, an extension's joins included).
+    `bounce_boost` draws clips with a bouncing object that many times as often: at a floor contact an object moves
+    fastest and turns within one latent's 4 frames, where the round trip lost it (it faded or froze)."""
     model, device = vae.model.train(), vae.device
     model.disable_tiling()
     params = list((model.decoder if decoder_only else model).parameters())
@@ -183,9 +185,10 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
         model.quant_conv.requires_grad_(False)
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, fused=device.type == "cuda")
     num_frames = clips[0][0].shape[0]
+    odds = np.array([bounce_boost if "bounces" in clip[2] else 1.0 for clip in clips])
     for step in timed_steps(budget_s, max_steps):
         # A smoke run (max_steps) fits one batch, so its loss must fall; a real run draws clips and windows.
-        picks = range(batch) if max_steps else rng.integers(len(clips), size=batch)
+        picks = range(batch) if max_steps else rng.choice(len(clips), size=batch, p=odds / odds.sum())
         start = 0 if max_steps else int(rng.integers(0, num_frames - VAE_FRAMES + 1))
         frames = [clips[i][0][start:start + VAE_FRAMES] for i in picks]
         x = pixels(np.stack(frames), device)
@@ -673,7 +676,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile-cache", type=Path, default=None, metavar="FILE",
                    help="with --compile: torch.compile's kernels read from FILE if it exists, written to it after")
     p.add_argument("--bounce-boost", type=float, default=1.0,
-                   help="the DiT draws clips with a bouncing object this many times as often as the others")
+                   help="the DiT (and the video decoder) draw clips with a bouncing object this many times as "
+                        "often as the others")
     p.add_argument("--vae-temporal-weight", type=float, default=0.0,
                    help="video decoder: weight of the frame-to-frame change's error beside the frames' own")
     p.add_argument("--vae-object-weight", type=float, default=OBJECT_WEIGHT,
@@ -736,7 +740,7 @@ def main(argv=None) -> int:
     if "video_decoder" in args.stages:
         train_video_vae(pipe.video_vae, clips, stage_budget("video_decoder"), 1 if args.smoke else 8, log, rng,
                         steps_cap, decoder_only=True, near_object_weight=args.vae_object_weight,
-                        temporal_weight=args.vae_temporal_weight)
+                        temporal_weight=args.vae_temporal_weight, bounce_boost=args.bounce_boost)
     if "audio_vae" in args.stages:
         train_audio_vae(pipe.audio_vae, clips, stage_budget("audio_vae"), 1 if args.smoke else 16,
                         0.1 if args.smoke else 1.0, log, rng, steps_cap, envelope_weight=args.audio_envelope)
