@@ -308,8 +308,8 @@ class VideoVAE(nn.Module):
         self.reference = reference
         # bf16: 3.4 s and 69 dB against diffusers fp32 for 124 frames 1344x768 on an H200, fp16 3.7 s and 85 dB
         # (benchmarks/results/h3_vae_h200_run1.json)
-        self.decode_dtype, self.encode_dtype, self.decode_fp8, self.encode_fp8 = (torch.bfloat16, torch.bfloat16,
-                                                                                  False, False)
+        self.decode_dtype, self.encode_dtype = torch.bfloat16, torch.bfloat16
+        self.decode_fp8 = self.encode_fp8 = False
         self.decode_tokens, self.encode_voxels = DECODE_TOKENS, ENCODE_VOXELS
         self._fast: dict[str, tuple[tuple, nn.Module]] = {}  # kind -> (key, network); not submodules
         _check_stats(latents_mean, latents_std, model.config.latent_channels, "video VAE")
