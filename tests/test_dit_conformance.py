@@ -56,3 +56,32 @@ def test_dit_matches_diffusers(config, keyframes):
             v_ref, a_ref = ref(*args, return_dict=False)
         assert rel_err(v_ours, v_ref) <= 1e-5
         assert rel_err(a_ours, a_ref) <= 1e-5
+
+
+def test_per_sample_row_timesteps_equal_each_sample_alone():
+    """Training's masked edits give each clip of a batch its own mask: timesteps per row and sample ([B, Nv] ->
+    indices [B, S]) must give each sample the output it gets alone with its own rows."""
+    torch.manual_seed(2)
+    model = build_dit(TINY, seed=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    layout = build_layout(torch.full((5,), TEXT_TAG), num_latent_frames=2, latent_height=4, latent_width=6,
+                          num_audio_latents=3)
+    nv, na = layout.video_indices.numel(), layout.audio_indices.numel()
+    masks = (torch.rand(2, nv) < 0.5).float()
+    t_video = torch.clamp(1 - masks * 0.6, max=0.999)
+    video, audio = torch.randn(2, nv, TINY.video_patch_dim), torch.randn(2, na, TINY.audio_in_channels)
+    text = torch.randn(2, layout.num_text, TINY.text_dim)
+    rest = (layout.token_tags, layout.position_ids.float(), layout.video_indices, layout.audio_indices,
+            layout.text_indices)
+    timestep, idx = row_timesteps(layout, t_video, 0.4, t_text=0.4)
+    assert idx.shape == (2, layout.seq_len)
+    with torch.no_grad():
+        together = model(video, audio, text, timestep, idx, *rest)
+        for b in range(2):
+            alone = model(video[b:b + 1], audio[b:b + 1], text[b:b + 1], *row_timesteps(layout, t_video[b], 0.4,
+                                                                                         t_text=0.4), *rest)
+            for got, want in zip(together, alone):
+                assert rel_err(got[b:b + 1], want) <= 1e-5
+    assert not torch.allclose(together[0][0], together[0][1])

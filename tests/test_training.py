@@ -107,7 +107,7 @@ def test_a_fresh_dit_learns_to_read_the_caption():
     from engine.models.h3.dit import build_dit
     from training.toy_scene import Scene, ToyObject
     from training.toy_world import render
-    from training.train import dit_loss, object_cover, prepare
+    from training.train import dit_loss, object_cover, object_tracks, prepare
 
     attention.set_backend("sdpa")
     torch.manual_seed(0)
@@ -117,7 +117,7 @@ def test_a_fresh_dit_learns_to_read_the_caption():
     for background in ("black", "white"):
         clip = render(Scene((ToyObject("ball", "red", "large", "stays still", 0.5, 0.5),), background, False, False, 1),
                       96, 64, num_frames=22)
-        clips.append((clip.frames, clip.audio, clip.caption, object_cover(clip.masks)))
+        clips.append((clip.frames, clip.audio, clip.caption, object_cover(clip.masks), object_tracks(clip.masks), None))
     data = prepare(pipe, clips)  # the text encoder frozen, as in training
     opt = torch.optim.AdamW(pipe.dit.parameters(), lr=1e-3)
     rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
@@ -281,3 +281,81 @@ def test_pick_batch_draws_boosted_clips_by_their_odds_within_one_caption_length(
     assert abs(len(first) / len(batches) - 6 / 10) < 0.03  # a group by the sum of its odds
     picks = np.concatenate(first)
     assert abs((picks == 1).mean() - 3 / 6) < 0.02 and abs((picks == 0).mean() - 1 / 6) < 0.02
+
+
+def test_edit_steps_regenerate_each_clips_own_object_track():
+    """With --edit-tracks, edit steps regenerate in each clip the track of one of its objects as Mask Track Box
+    boxes it (what a replacement or removal gives the DiT; the engine's own mask of that box): the rows the DiT sees
+    at a generated timestep are exactly that clip's track, which covers every token its object touches."""
+    import numpy as np
+
+    import training.train as train
+    from engine.kernels import attention
+    from engine.models.h3 import layout as L
+    from engine.models.h3 import mask as M
+    from training.task_checks import box_masks
+    from training.toy_scene import sample_scene
+    from training.toy_world import render
+
+    clip = render(sample_scene(3, 224, 128), 224, 128, num_frames=39)
+    engine_rows = [M.token_mask(M.cell_mask(torch.from_numpy(box_masks(m)), 39, 128, 224)) for m in clip.masks]
+    assert np.array_equal(train.object_tracks(clip.masks), torch.stack(engine_rows).numpy())
+
+    attention.set_backend("sdpa")
+    pipe = H3Pipeline.from_preset("tiny")
+    clips = train.toy_clips(range(4), 96, 64, 0.9, 1)
+    data = train.prepare(pipe, clips)
+    for clip, sample in zip(clips, data):
+        tracks = sample["tracks"]
+        assert tracks.shape == (clip[2].count(" and ") + 1, sample["weight"].numel())
+        assert set(tracks.unique().tolist()) <= {0.0, 1.0} and 0 < tracks.sum(1).min() and tracks.mean() < 1
+        assert ((tracks.amax(0) == 1) | (sample["weight"] == 1)).all()  # every token an object covers
+    two = next(s for s in data if len(s["tracks"]) == 2)
+    batch = [two, dict(two, tracks=two["tracks"].flip(0))]
+    seen = {}
+    pipe.dit.register_forward_pre_hook(lambda _, args: seen.update(t=args[3][args[4]]))  # each row's timestep
+    pipe.dit.requires_grad_(True)
+    layout = L.build_layout(two["tags"][()], *two["video"].shape[1:], two["audio"].shape[-1])
+    differ = []
+    for seed in range(4):
+        loss = train.dit_loss(pipe.dit, batch, "edit", np.random.default_rng(seed), torch.Generator().manual_seed(seed),
+                              edit_tracks=1.0)
+        loss.backward()
+        assert torch.isfinite(loss)
+        regenerated = (seen["t"][:, layout.video_indices] < L.CONDITION_TIMESTEP).float()
+        for sample, rows in zip(batch, regenerated):
+            assert (sample["tracks"] == rows).all(1).any()
+        differ.append(bool((regenerated[0] != regenerated[1]).any()))
+    assert any(differ)  # each clip its own mask in one step
+
+
+def test_later_windows_give_the_extension_steps_guides_from_mid_scene():
+    """With --later-windows each clip also carries its scene from a later start (the render's own frames there),
+    and the extension steps take their guide rows and targets from it: a clip always starts with its objects at rest
+    in their slots, the guide of a real extension shows them mid-path."""
+    import numpy as np
+
+    import training.train as train
+    from engine.kernels import attention
+    from engine.models.h3 import layout as L
+    from training.toy_scene import sample_scene
+    from training.toy_world import render
+
+    attention.set_backend("sdpa")
+    frames, audio, _, _, _, (later, later_audio, cover) = train.render_clip((5, 96, 64, 0.9, True))
+    whole = render(sample_scene(5, 96, 64), 96, 64, num_frames=train.MAX_FRAMES)
+    start = next(s for s in range(train.MAX_FRAMES) if np.array_equal(whole.frames[s:s + len(frames)], later))
+    assert start > 0 and later.shape == frames.shape and later_audio.shape == audio.shape
+    assert np.abs(later_audio - whole.audio[:, round(start / 24 * 32000):][:, :audio.shape[1]]).max() < 1e-6
+    assert cover.shape == train.object_cover(whole.masks[:, :len(frames)]).shape
+
+    pipe = H3Pipeline.from_preset("tiny")
+    sample = train.prepare(pipe, train.toy_clips([5], 96, 64, 0.9, 1, later=True))[0]
+    assert not torch.allclose(sample["later"]["video"], sample["video"])
+    guides = []
+    per_frame = sample["video"][0, 0].numel() // 4  # rows of one latent frame (2x2 patches)
+    pipe.dit.register_forward_pre_hook(lambda _, args: guides.append(args[0][0, :per_frame]))  # the first guide rows
+    train.dit_loss(pipe.dit, [sample], "extend", np.random.default_rng(0), torch.Generator().manual_seed(0))
+    later_rows = L.patchify(sample["later"]["video"][None])[0, :per_frame]
+    own_rows = L.patchify(sample["video"][None])[0, :per_frame]
+    assert (guides[0] - later_rows).abs().max() < 0.05 < (guides[0] - own_rows).abs().max()

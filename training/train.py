@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from engine.kernels import attention
 from engine.models.h3 import layout as L
+from engine.models.h3 import mask as M
 from engine.models.h3.checkpoint import save_dit
 from engine.models.h3.conditioner import build_tiny_conditioner, text_encoder_file_tensors
 from engine.models.h3.config import TINY
@@ -48,9 +49,10 @@ from engine.models.h3.vae import (IMAGENET_MEAN, IMAGENET_STD, TINY_TILE_OVERLAP
 from training.captions import caption, parse_caption
 from training.guidance import GuidedDiT, guided
 from training.scoring import score_clip
+from training.task_checks import box_masks
 from training.text_encoder import train_text_encoder
-from training.toy_scene import sample_scene
-from training.toy_world import background_image, render
+from training.toy_scene import FPS, SAMPLE_RATE, sample_scene
+from training.toy_world import MAX_FRAMES, background_image, render
 
 # The embedded default's DiT: the tiny preset's architecture (text width 32, partial RoPE) at 256 wide, 6 blocks.
 TOY = replace(TINY, num_attention_heads=4, attention_head_dim=64, hidden_size=256, num_layers=6, num_refiner_layers=1,
@@ -61,6 +63,7 @@ EVAL_SEED = 10_000_000  # scenes from here on are never trained on
 TASKS = {"t2va": 0.4, "first": 0.15, "first_last": 0.1, "edit": 0.2, "extend": 0.15, "ref2va": 0.1}
 REF_AUDIO_SECONDS = 2.0  # ref2va: the sound reference, the clip's first seconds
 EMA = 0.995
+LATER_STREAM = 7  # keeps a later window's start draw apart from the scene's own
 CAPTION_DROP = 0.1  # share of prompts zeroed: the unconditional branch a guided teacher needs
 # Guidance distillation teaches the t2va layout alone: keyframe, edit, extension and reference rows are held by their
 # conditions, and a student distilled on every layout lost 0.6 dB on keyframes (stop 29); those keep the flow's loss.
@@ -91,15 +94,42 @@ def object_cover(masks: np.ndarray) -> np.ndarray:
     return grid.astype(np.float16).ravel()
 
 
-def render_clip(args: tuple[int, int, int, float]) -> tuple[np.ndarray, np.ndarray, str, np.ndarray]:
-    """(frames, audio, caption, object cover per DiT token) of one toy scene."""
-    seed, width, height, seconds = args
-    clip = render(sample_scene(seed, width, height), width, height, seconds)
-    return clip.frames, clip.audio, clip.caption, object_cover(clip.masks)
+def object_tracks(masks: np.ndarray) -> np.ndarray:
+    """bool [K, F, H, W] object masks -> float16 [K, T * gh * gw]: the DiT rows an edit regenerates when an artist
+    boxes each object with Mask Track Box: any token square of its padded box in any frame of the latent frame's
+    span (the engine's cell then token mask of a 0/1 mask, in numpy: torch in 16 render workers took 4x longer)."""
+    num_frames, height, width = masks.shape[1:]
+    tracks = []
+    for mask in masks:
+        boxes = box_masks(mask).reshape(num_frames, height // TOKEN_PX, TOKEN_PX, width // TOKEN_PX, TOKEN_PX)
+        tokens = boxes.max((2, 4))
+        tracks.append(np.stack([tokens[a:b].max(0) for a, b in M.latent_frame_spans(num_frames)]).ravel())
+    return np.stack(tracks).astype(np.float16)
 
 
-def toy_clips(seeds, width: int, height: int, seconds: float, workers: int) -> list[tuple]:
-    jobs = [(s, width, height, seconds) for s in seeds]
+def later_window(scene, width: int, height: int, num_frames: int, seed: int) -> tuple[np.ndarray, ...]:
+    """(frames, audio, object cover) of `num_frames` of the scene from a start frame drawn from `seed` (anywhere the
+    window still ends by 15 s): a clip starts with its objects in their slots, while an extension's guide shows them
+    mid-path, near a wall, or past one."""
+    start = int(np.random.default_rng((seed, LATER_STREAM)).integers(0, MAX_FRAMES - num_frames + 1))
+    clip = render(scene, width, height, num_frames=start + num_frames)
+    first = round(start / FPS * SAMPLE_RATE)
+    audio = clip.audio[:, first:first + round(num_frames / FPS * SAMPLE_RATE)]
+    return clip.frames[start:], audio, object_cover(clip.masks[:, start:])
+
+
+def render_clip(args: tuple[int, int, int, float, bool]) -> tuple:
+    """(frames, audio, caption, object cover per DiT token, each object's edit track, a `later_window` or None) of
+    one toy scene."""
+    seed, width, height, seconds, later = args
+    scene = sample_scene(seed, width, height)
+    clip = render(scene, width, height, seconds)
+    window = later_window(scene, width, height, len(clip.frames), seed) if later else None
+    return clip.frames, clip.audio, clip.caption, object_cover(clip.masks), object_tracks(clip.masks), window
+
+
+def toy_clips(seeds, width: int, height: int, seconds: float, workers: int, later: bool = False) -> list[tuple]:
+    jobs = [(s, width, height, seconds, later) for s in seeds]
     if workers <= 1:
         return [render_clip(j) for j in jobs]
     with Pool(workers) as pool:
@@ -355,6 +385,15 @@ def box_rows(T: int, h: int, w: int, patch, rng) -> torch.Tensor:
     return cells.flatten().repeat(T)
 
 
+def edit_rows(batch: list[dict], T: int, h: int, w: int, patch, rng, tracks: float) -> torch.Tensor:
+    """The rows an edit step regenerates: a `tracks` share of the time each clip's track of one of its objects
+    ([B, rows]: row timesteps per sample), else one random box for the batch ([rows]; with `tracks` 0 the draws and
+    layouts of the committed DiT's runs)."""
+    if tracks and rng.random() < tracks:
+        return torch.stack([b["tracks"][int(rng.integers(len(b["tracks"])))] for b in batch])
+    return box_rows(T, h, w, patch, rng).to(batch[0]["tracks"].device)
+
+
 def extension_rows(T: int, rng) -> tuple[int, int, float]:
     """An extension window's guide: (overlap latents 5k + 2, its audio latents, the window's start frame)."""
     overlap = int(rng.choice([2, 7]))
@@ -364,20 +403,22 @@ def extension_rows(T: int, rng) -> tuple[int, int, float]:
 
 def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, caption_drop: float = 0.0,
              teacher=None, guidance: float = 1.0, video_shift: float = VIDEO_SHIFT,
-             noise_gen: torch.Generator | None = None) -> torch.Tensor:
+             noise_gen: torch.Generator | None = None, edit_tracks: float = 0.0) -> torch.Tensor:
     """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
-    the source outside a box at the condition level (edit), the window's first latents noised to the condition
-    level with its clean audio, on a shifted clock (extension), an image reference (the clip's middle frame at the
-    reference size) noised likewise and a clean sound reference (its first seconds), the prompt presenting both
+    the source outside a box (an `edit_tracks` share of the time, each clip's track of one object) at the condition
+    level (edit), the window's first latents noised to the condition level with its clean audio, on a shifted clock
+    (extension; the window is the clip's later one when it has one), an image reference (the clip's middle frame at
+    the reference size) noised likewise and a clean sound reference (its first seconds), the prompt presenting both
     (ref2va). With a `teacher`, a DISTILLED_TASKS layout's target is its velocity guided by `guidance`
     (training/guidance.py), else the flow's, with a `caption_drop` share of the prompts zeroed. The noise comes
     from `noise_gen` (a generator on the device: drawn on the host, a batch's noise costs more than its step) or
     else `gen`."""
     device = batch[0]["video"].device
-    x0v = L.patchify(torch.stack([b["video"] for b in batch]))
-    x0a = L.pack_audio(torch.stack([b["audio"] for b in batch]))
+    clips = [b.get("later", b) for b in batch] if task == "extend" else batch
+    x0v = L.patchify(torch.stack([b["video"] for b in clips]))
+    x0a = L.pack_audio(torch.stack([b["audio"] for b in clips]))
     keyframes = {"first": ("first",), "first_last": ("first", "last")}.get(task, ())
     presentation = "ref2va" if task == "ref2va" else keyframes  # what the prompt carries
     text, tags = torch.stack([b["text"][presentation] for b in batch]), batch[0]["tags"][presentation]
@@ -393,7 +434,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     s_v, s_a = float(sigma(u, video_shift)), float(sigma(u, AUDIO_SHIFT))
     ev, ea = noise(x0v), noise(x0a)
     xv, xa = (1 - s_v) * x0v + s_v * ev, (1 - s_a) * x0a + s_a * ea
-    t_video, weight = 1 - s_v, torch.stack([b["weight"] for b in batch])
+    t_video, weight = 1 - s_v, torch.stack([b["weight"] for b in clips])
     cond_v, cond_a = xv[:, :0], xa[:, :0]
     if keyframes:
         layout = L.build_layout(tags, T, h, w, Ta, patch, keyframes)
@@ -414,13 +455,13 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
                                 guide_audio=guide_audio)
         tail = x0v[:, :overlap * (h // patch[0]) * (w // patch[1])]
         cond_v = L.CONDITION_TIMESTEP * tail + (1 - L.CONDITION_TIMESTEP) * noise(tail)
-        cond_a = L.pack_audio(torch.stack([b["audio"][..., :guide_audio] for b in batch]))
+        cond_a = L.pack_audio(torch.stack([b["audio"][..., :guide_audio] for b in clips]))
     else:
         layout = L.build_layout(tags, T, h, w, Ta, patch)
         if task == "edit":  # regenerated cells at 1 - s, the rest of the source at the condition level
-            q = box_rows(T, h, w, patch, rng).to(device)
+            q = edit_rows(batch, T, h, w, patch, rng, edit_tracks)
             anchor = L.CONDITION_TIMESTEP * x0v + (1 - L.CONDITION_TIMESTEP) * noise(x0v)
-            xv = torch.lerp(anchor, xv, q[None, :, None])
+            xv = torch.lerp(anchor, xv, q[..., None])
             t_video = Target(xv, cap=L.CONDITION_TIMESTEP, model_mask=q.cpu()).timesteps(s_v)
             weight = weight * q
     layout = layout.to(device)
@@ -453,10 +494,22 @@ def encode_clips(vae: VideoVAE, frames: np.ndarray) -> torch.Tensor:
     return (z - vae.latents_mean) / vae.latents_std
 
 
+def token_weight(cover: np.ndarray, device) -> torch.Tensor:
+    return 1 + OBJECT_WEIGHT * torch.from_numpy(cover).to(device).float()
+
+
+def encode_sounds(vae: AudioVAE, sounds: np.ndarray) -> torch.Tensor:
+    """float32 [B, 2, S] -> normalised latents [B, 2, C, Ta], each channel encoded alone (as the engine does)."""
+    audio = vae.model.encode(torch.from_numpy(sounds).to(vae.device).flatten(0, 1)[:, None],
+                             return_dict=False)[0].mode()
+    return ((audio - vae.latents_mean) / vae.latents_std).unflatten(0, (-1, 2))
+
+
 def prepare(pipe: H3Pipeline, clips, batch: int = 64) -> list[dict]:
     """Each clip's latents, keyframe latents, image reference latents and prompt embeddings (plain, with the first
     keyframe's picture block, with both, with the references: what each task's prompt carries, as in the engine),
-    on the device. Every part but the DiT is frozen, so all of it runs once, batched."""
+    and its later window's latents when it has one, on the device. Every part but the DiT is frozen, so all of it
+    runs once, batched."""
     out = []
     canvas = pipe.canvas
     with torch.no_grad():
@@ -467,14 +520,18 @@ def prepare(pipe: H3Pipeline, clips, batch: int = 64) -> list[dict]:
             first, last = encode_clips(pipe.video_vae, frames[:, :1]), encode_clips(pipe.video_vae, frames[:, -1:])
             pictures = np.stack([reference_picture(c, canvas) for c in group])
             reference = encode_clips(pipe.video_vae, pictures[:, None])
-            audio = pipe.audio_vae.model.encode(torch.from_numpy(np.stack([c[1] for c in group])).to(pipe.device)
-                                                .flatten(0, 1)[:, None], return_dict=False)[0].mode()
-            audio = ((audio - pipe.audio_vae.latents_mean) / pipe.audio_vae.latents_std).unflatten(0, (-1, 2))
+            audio = encode_sounds(pipe.audio_vae, np.stack([c[1] for c in group]))
             for j, clip in enumerate(group):
                 out.append({"video": video[j], "audio": audio[j], "first": first[j], "last": last[j],
                             "reference": reference[j], "picture": pictures[j], "sound": clip[1],
-                            "prompt": clip[2], "text": {}, "tags": {},
-                            "weight": 1 + OBJECT_WEIGHT * torch.from_numpy(clip[3]).to(pipe.device).float()})
+                            "prompt": clip[2], "text": {}, "tags": {}, "weight": token_weight(clip[3], pipe.device),
+                            "tracks": torch.from_numpy(clip[4]).to(pipe.device).float()})
+            if group[0][5] is not None:
+                video = encode_clips(pipe.video_vae, np.stack([c[5][0] for c in group]))
+                audio = encode_sounds(pipe.audio_vae, np.stack([c[5][1] for c in group]))
+                for j, clip in enumerate(group):
+                    out[i + j]["later"] = {"video": video[j], "audio": audio[j],
+                                           "weight": token_weight(clip[5][2], pipe.device)}
         for indices in by_caption_length(pipe, out):
             for start in range(0, len(indices), 64):
                 part = indices[start:start + 64]
@@ -514,12 +571,15 @@ def text_at_unit_scale(conditioner) -> None:
         table.mul_(1 / table.float().pow(2).mean().sqrt())
 
 
-def encoded(pipe: H3Pipeline, clips, cache: Path | None) -> list[dict]:
+def encoded(pipe: H3Pipeline, clips, cache: Path | None, later: bool = False) -> list[dict]:
     """`prepare`d clips, through a cache file when given (a second run on a warm machine skips the encoding)."""
     if cache is not None and cache.is_file():
         data = torch.load(cache, map_location=pipe.device)
         for sample in data:  # the layouts' tags stay on the host, as `prepare` made them
             sample["tags"] = {k: v.cpu() for k, v in sample["tags"].items()}
+        if "tracks" not in data[0] or (later and "later" not in data[0]):
+            raise SystemExit(f"{cache} lacks what this run trains on (the objects' edit tracks, or the later windows "
+                             "--later-windows asks for); delete it and run again to re-encode.")
         if clips is None or len(data) == len(clips):
             return data
     data = prepare(pipe, clips)
@@ -568,12 +628,14 @@ def pick_batch(groups: list[list[int]], odds: list[list[float]], batch: int, rng
 
 def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, log: Log, rng, gen, eval_scenes,
               eval_every: int, lr: float, max_steps=None, caption_drop: float = CAPTION_DROP, guidance: float = 1.0,
-              eval_guidance=(1.0,), compile: bool = False, bounce_boost: float = 1.0) -> None:
+              eval_guidance=(1.0,), compile: bool = False, bounce_boost: float = 1.0,
+              edit_tracks: float = 0.0) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
     exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
     `compile` runs the training steps through torch.compile (dynamic shapes: one graph for every caption length and
     layout): the eager step is bound by the unfused fp32 norm / modulation / residual passes over the rows.
-    `bounce_boost` draws clips with a bouncing object that many times as often as the others."""
+    `bounce_boost` draws clips with a bouncing object that many times as often as the others; `edit_tracks` is the
+    share of edit steps on object tracks."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
     stepped = torch.compile(dit, dynamic=True) if compile else dit
@@ -597,7 +659,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
             task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
             picks = pick_batch(groups, odds, batch, rng)
         loss = dit_loss(stepped, [data[i] for i in picks], task, rng, gen, caption_drop, teacher, guidance,
-                        pipe.video_shift, None if max_steps else noise_gen)
+                        pipe.video_shift, None if max_steps else noise_gen, edit_tracks)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -678,6 +740,13 @@ def main(argv=None) -> int:
     p.add_argument("--bounce-boost", type=float, default=1.0,
                    help="the DiT (and the video decoder) draw clips with a bouncing object this many times as "
                         "often as the others")
+    p.add_argument("--edit-tracks", type=float, default=0.0,
+                   help="share of the DiT's edit steps whose mask is each clip's track of one object as Mask Track "
+                        "Box boxes it, the rest a random box (a replacement's mask; 0: boxes only, as the committed "
+                        "DiT was trained)")
+    p.add_argument("--later-windows", action="store_true",
+                   help="every clip also gets a window of its scene from a random later start (up to 15 s), and "
+                        "the extension steps train on those: guides with objects mid-path or past a wall hit")
     p.add_argument("--vae-temporal-weight", type=float, default=0.0,
                    help="video decoder: weight of the frame-to-frame change's error beside the frames' own")
     p.add_argument("--vae-object-weight", type=float, default=OBJECT_WEIGHT,
@@ -701,7 +770,7 @@ def main(argv=None) -> int:
     clips = None
     if clip_stages and (clip_stages != {"dit"} or cache is None or not cache.is_file()):
         clips = toy_clips(range(args.seed * 1_000_000, args.seed * 1_000_000 + (2 if args.smoke else args.clips)),
-                          width, height, 0.9 if args.smoke else 5.0, 1 if args.smoke else 16)
+                          width, height, 0.9 if args.smoke else 5.0, 1 if args.smoke else 16, args.later_windows)
         log("data", len(clips), frames=int(clips[0][0].shape[0]), canvas=f"{width}x{height}")
     if args.resume:
         start = args.out if args.resume is True else args.resume
@@ -756,9 +825,10 @@ def main(argv=None) -> int:
     if "dit" in args.stages:
         eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(args.eval_scenes)]
         load_compiled(args.compile_cache if args.compile else None)
-        train_dit(pipe, encoded(pipe, clips, cache), stage_budget("dit"),
+        train_dit(pipe, encoded(pipe, clips, cache, args.later_windows), stage_budget("dit"),
                   2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
-                  args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost)
+                  args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost,
+                  args.edit_tracks)
         save_compiled(args.compile_cache if args.compile else None)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)

@@ -63,27 +63,28 @@ def _triton(x: torch.Tensor) -> bool:
 
 def modulated_rms_norm(x: torch.Tensor, norm: nn.RMSNorm, shift: torch.Tensor, scale: torch.Tensor,
                        rows: torch.Tensor) -> torch.Tensor:
-    """norm(x) * (1 + scale[rows]) + shift[rows]; x [B, S, N], tables [R, N], rows [S]."""
-    if _triton(x):
+    """norm(x) * (1 + scale[rows]) + shift[rows]; x [B, S, N], tables [R, N], rows [S] (or per sample [B, S]: the
+    torch path only, as training's masked edits give each clip its own mask)."""
+    if rows.ndim == 1 and _triton(x):
         from engine.kernels import fused_triton
 
         return fused_triton.residual_norm(x, None, None, rows, norm.weight, norm.eps, shift, scale)[1]
-    return norm(x) * (1.0 + scale.index_select(0, rows)) + shift.index_select(0, rows)
+    return norm(x) * (1.0 + scale[rows]) + shift[rows]
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x + gate[rows] * y."""
-    if _triton(x):
+    if rows.ndim == 1 and _triton(x):
         from engine.kernels import fused_triton
 
         return fused_triton.residual_norm(x, y, gate, rows)[0]
-    return x + gate.index_select(0, rows) * y
+    return x + gate[rows] * y
 
 
 def gated_residual_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, rows: torch.Tensor, norm: nn.RMSNorm,
                         shift: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + gate[rows] * y, and that normed and modulated): the attention residual and the MLP's input at once."""
-    if _triton(x):
+    if rows.ndim == 1 and _triton(x):
         from engine.kernels import fused_triton
 
         return fused_triton.residual_norm(x, y, gate, rows, norm.weight, norm.eps, shift, scale)

@@ -189,7 +189,7 @@ class FinalLayer(nn.Module):
         return shift, scale
 
     def forward(self, x, shift, scale, timestep_indices, video_indices, audio_indices):
-        x = self.norm(x) * (1.0 + scale.index_select(0, timestep_indices)) + shift.index_select(0, timestep_indices)
+        x = self.norm(x) * (1.0 + scale[timestep_indices]) + shift[timestep_indices]
         x = x.to(self.video_out.weight.dtype)
         return self.video_out(x.index_select(1, video_indices)), self.audio_out(x.index_select(1, audio_indices))
 
@@ -243,7 +243,7 @@ class H3DiT(nn.Module):
         audio: torch.Tensor,  # [B, Na, 32]
         text: torch.Tensor,  # [B, Nt, text_dim]
         timestep: torch.Tensor,  # [M] distinct t in [0, 1], t = 1 clean
-        timestep_indices: torch.Tensor,  # [S]
+        timestep_indices: torch.Tensor,  # [S], or [B, S] per sample (one rank, training's masked edits)
         token_tags: torch.Tensor,  # [S]
         position_ids: torch.Tensor,  # [S, 3]
         video_indices: torch.Tensor,
@@ -268,7 +268,7 @@ class H3DiT(nn.Module):
         if modulations is None:
             modulations = self.modulations(self.time_embedding(timestep))
         block_mods, (shift, scale) = modulations
-        x, rows = sp.split(x, 1), sp.split(timestep_indices * NUM_MODALITIES + token_tags)
+        x, rows = sp.split(x, 1), sp.split(timestep_indices * NUM_MODALITIES + token_tags, -1)
         for block, mods in zip(self.blocks, block_mods):
             x = block(x, mods, rows, rope, sp.attention)
         x = sp.gather(x, 1)

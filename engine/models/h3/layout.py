@@ -314,17 +314,21 @@ def row_timesteps(layout: PackedLayout, t_video, t_audio, t_text: float | None =
 
     `t_video` / `t_audio` are one value for all generated rows or one per generated row (masked edits); text rows
     take `t_text` (default: `t_video`), visual condition rows `max(t_text, 0.999)`, audio references `t_cond_audio`.
+    A `t_video` of one row per sample [B, Nv] (training's masked edits, each clip its own mask) gives indices
+    [B, S].
     """
     if t_text is None:
         t_text = float(t_video)
     if t_cond_video is None:
         t_cond_video = max(t_text, CONDITION_TIMESTEP)
-    t = torch.full((layout.seq_len,), t_text, dtype=torch.float32)
+    t_video = torch.as_tensor(t_video, dtype=torch.float32).cpu()
+    t = torch.full((*t_video.shape[:-1], layout.seq_len) if t_video.ndim == 2 else (layout.seq_len,), t_text,
+                   dtype=torch.float32)
     nv, na = layout.num_condition_video_rows, layout.num_condition_audio_rows
-    t[layout.video_indices[:nv].cpu()] = t_cond_video
-    t[layout.video_indices[nv:].cpu()] = torch.as_tensor(t_video, dtype=torch.float32).cpu()
-    t[layout.audio_indices[na:].cpu()] = torch.as_tensor(t_audio, dtype=torch.float32).cpu()
-    t[layout.audio_indices[:na].cpu()] = t_cond_audio
+    t[..., layout.video_indices[:nv].cpu()] = t_cond_video
+    t[..., layout.video_indices[nv:].cpu()] = t_video
+    t[..., layout.audio_indices[na:].cpu()] = torch.as_tensor(t_audio, dtype=torch.float32).cpu()
+    t[..., layout.audio_indices[:na].cpu()] = t_cond_audio
     return torch.unique(t, sorted=True, return_inverse=True)
 
 
