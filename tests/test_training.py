@@ -331,8 +331,8 @@ def test_edit_steps_regenerate_each_clips_own_object_track():
 
 def test_later_windows_give_the_extension_steps_guides_from_mid_scene():
     """With --later-windows each clip also carries its scene from a later start (the render's own frames there),
-    and the extension steps take their guide rows and targets from it: a clip always starts with its objects at rest
-    in their slots, the guide of a real extension shows them mid-path."""
+    and the extension steps take their guide rows and targets from it: a clip always starts with its objects in their
+    slots, the guide of a real extension shows them mid-path."""
     import numpy as np
 
     import training.train as train
