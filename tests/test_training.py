@@ -11,7 +11,7 @@ import torch
 
 from engine.models.h3.pipeline import TINY_CANVAS, H3Pipeline
 from engine_fixture import REPO
-from training.train import FILES, TOY, pick_batch
+from training.train import FILES, TOY, clip_odds, pick_batch
 
 
 def test_smoke_run_lowers_every_loss_and_writes_loadable_files(tmp_path):
@@ -281,6 +281,15 @@ def test_pick_batch_draws_boosted_clips_by_their_odds_within_one_caption_length(
     assert abs(len(first) / len(batches) - 6 / 10) < 0.03  # a group by the sum of its odds
     picks = np.concatenate(first)
     assert abs((picks == 1).mean() - 3 / 6) < 0.02 and abs((picks == 0).mean() - 1 / 6) < 0.02
+
+
+def test_clip_odds_multiply_the_boosts_a_caption_meets():
+    lone = "a red ball moves right on a white background"
+    bouncer = "a red ball bounces on a white background, humming"
+    pair = "a small green box bounces and a large yellow triangle stays still on sand, humming; rain falls"
+    assert [clip_odds(c, 3.0, 2.0) for c in (lone, bouncer, pair)] == [1.0, 3.0, 6.0]
+    assert clip_odds(pair) == 1.0 and clip_odds("a blue box moves left and a red ball moves up in a blue sky", 3.0,
+                                                2.0) == 2.0
 
 
 def test_edit_steps_regenerate_each_clips_own_object_track():

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from safetensors.torch import save_file
 
@@ -165,6 +166,12 @@ def save_compiled(path: Path | None) -> None:
         path.write_bytes(artifacts[0])
 
 
+def clip_odds(prompt: str, bounce_boost: float = 1.0, two_object_boost: float = 1.0) -> float:
+    """How often a clip is drawn relative to a lone object that does not bounce."""
+    boosts = (bounce_boost, "bounces" in prompt), (two_object_boost, len(parse_caption(prompt).objects) == 2)
+    return float(np.prod([boost for boost, applies in boosts if applies]))
+
+
 def timed_steps(budget_s: float, max_steps: int | None):
     """Step numbers until the budget (or the step cap) runs out."""
     end, step = time.monotonic() + budget_s, 0
@@ -215,7 +222,7 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
         model.quant_conv.requires_grad_(False)
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, fused=device.type == "cuda")
     num_frames = clips[0][0].shape[0]
-    odds = np.array([bounce_boost if "bounces" in clip[2] else 1.0 for clip in clips])
+    odds = np.array([clip_odds(clip[2], bounce_boost) for clip in clips])
     for step in timed_steps(budget_s, max_steps):
         # A smoke run (max_steps) fits one batch, so its loss must fall; a real run draws clips and windows.
         picks = range(batch) if max_steps else rng.choice(len(clips), size=batch, p=odds / odds.sum())
@@ -388,7 +395,7 @@ def box_rows(T: int, h: int, w: int, patch, rng) -> torch.Tensor:
 def edit_rows(batch: list[dict], T: int, h: int, w: int, patch, rng, tracks: float) -> torch.Tensor:
     """The rows an edit step regenerates: a `tracks` share of the time each clip's track of one of its objects
     ([B, rows]: row timesteps per sample), else one random box for the batch ([rows]; with `tracks` 0 the draws and
-    layouts of the committed DiT's runs)."""
+    layouts of the DiT's runs before stop 45)."""
     if tracks and rng.random() < tracks:
         return torch.stack([b["tracks"][int(rng.integers(len(b["tracks"])))] for b in batch])
     return box_rows(T, h, w, patch, rng).to(batch[0]["tracks"].device)
@@ -629,23 +636,26 @@ def pick_batch(groups: list[list[int]], odds: list[list[float]], batch: int, rng
 def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, log: Log, rng, gen, eval_scenes,
               eval_every: int, lr: float, max_steps=None, caption_drop: float = CAPTION_DROP, guidance: float = 1.0,
               eval_guidance=(1.0,), compile: bool = False, bounce_boost: float = 1.0,
-              edit_tracks: float = 0.0) -> None:
+              edit_tracks: float = 0.0, two_object_boost: float = 1.0) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
     exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
-    `compile` runs the training steps through torch.compile (dynamic shapes: one graph for every caption length and
-    layout): the eager step is bound by the unfused fp32 norm / modulation / residual passes over the rows.
-    `bounce_boost` draws clips with a bouncing object that many times as often as the others; `edit_tracks` is the
-    share of edit steps on object tracks."""
+    `compile` runs the blocks of the training steps through torch.compile, one block at a time (dynamic shapes; the
+    blocks share their code, so one graph serves all of them; the whole DiT compiled spent 100-250 s of each run
+    on a graph per layout): the eager step is bound by the unfused fp32 norm / modulation / residual passes over
+    the rows. `bounce_boost` and `two_object_boost` draw clips with a bouncing object, or with two objects, that
+    many times as often as the others; `edit_tracks` is the share of edit steps on object tracks."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
-    stepped = torch.compile(dit, dynamic=True) if compile else dit
+    blocks = dit.blocks
+    if compile:
+        dit.blocks = nn.ModuleList(torch.compile(block, dynamic=True) for block in blocks)
     teacher = copy.deepcopy(dit).eval().requires_grad_(False) if guidance != 1 else None
     params = list(dit.parameters())
     ema = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=pipe.device.type == "cuda")
     names, shares = list(TASKS), np.array(list(TASKS.values()))
     groups = by_caption_length(pipe, data)
-    odds = [[bounce_boost if "bounces" in data[i]["prompt"] else 1.0 for i in g] for g in groups]
+    odds = [[clip_odds(data[i]["prompt"], bounce_boost, two_object_boost) for i in g] for g in groups]
     # Noise drawn on the device; the loss summed there, read once per log line (no host sync per step).
     noise_gen = torch.Generator(pipe.device).manual_seed(int(torch.randint(1 << 62, (), generator=gen)))
     total, every = 0.0, 1 if max_steps else 100
@@ -658,7 +668,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
         else:
             task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
             picks = pick_batch(groups, odds, batch, rng)
-        loss = dit_loss(stepped, [data[i] for i in picks], task, rng, gen, caption_drop, teacher, guidance,
+        loss = dit_loss(dit, [data[i] for i in picks], task, rng, gen, caption_drop, teacher, guidance,
                         pipe.video_shift, None if max_steps else noise_gen, edit_tracks)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -675,6 +685,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
         if not max_steps and step and step % eval_every == 0:
             log("eval", step, None, **evaluate(pipe, eval_scenes, 9))
             t_every = time.monotonic()
+    dit.blocks = blocks  # evaluated and saved eager
     with torch.no_grad():
         for p, e in zip(params, ema):
             p.copy_(e)
@@ -740,10 +751,12 @@ def main(argv=None) -> int:
     p.add_argument("--bounce-boost", type=float, default=1.0,
                    help="the DiT (and the video decoder) draw clips with a bouncing object this many times as "
                         "often as the others")
+    p.add_argument("--two-object-boost", type=float, default=1.0,
+                   help="the DiT draws clips with two objects this many times as often as those with one")
     p.add_argument("--edit-tracks", type=float, default=0.0,
                    help="share of the DiT's edit steps whose mask is each clip's track of one object as Mask Track "
-                        "Box boxes it, the rest a random box (a replacement's mask; 0: boxes only, as the committed "
-                        "DiT was trained)")
+                        "Box boxes it, the rest a random box (a replacement's mask; 0: boxes only, as the DiT was "
+                        "trained until stop 45)")
     p.add_argument("--later-windows", action="store_true",
                    help="every clip also gets a window of its scene from a random later start (up to 15 s), and "
                         "the extension steps train on those: guides with objects mid-path or past a wall hit")
@@ -828,7 +841,7 @@ def main(argv=None) -> int:
         train_dit(pipe, encoded(pipe, clips, cache, args.later_windows), stage_budget("dit"),
                   2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
                   args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost,
-                  args.edit_tracks)
+                  args.edit_tracks, args.two_object_boost)
         save_compiled(args.compile_cache if args.compile else None)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
