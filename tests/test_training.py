@@ -368,3 +368,41 @@ def test_later_windows_give_the_extension_steps_guides_from_mid_scene():
     later_rows = L.patchify(sample["later"]["video"][None])[0, :per_frame]
     own_rows = L.patchify(sample["video"][None])[0, :per_frame]
     assert (guides[0] - later_rows).abs().max() < 0.05 < (guides[0] - own_rows).abs().max()
+
+
+def test_compiled_blocks_train_as_the_eager_ones_and_the_dit_ends_eager(monkeypatch):
+    """`--compile`: the training steps run each DiT block through torch.compile (Dynamo's graph capture; here its
+    eager backend, as the CPU has no kernels to gain) and give the eager steps' losses; afterwards the DiT holds its
+    own blocks again, so it evaluates and saves under its file's key names."""
+    from engine.kernels import attention
+    from training.toy_scene import sample_scene
+    from training.train import prepare, toy_clips, train_dit
+
+    attention.set_backend("sdpa")
+    compiled, compile = [], torch.compile
+
+    def eager_backend(model, **options):
+        compiled.append(model)
+        return compile(model, backend="eager", **options)
+
+    monkeypatch.setattr(torch, "compile", eager_backend)
+    clips = toy_clips(range(2), 96, 64, 0.9, 1)
+
+    def losses(compile_blocks: bool) -> tuple[list[float], H3Pipeline]:
+        pipe, seen = H3Pipeline.from_preset("tiny"), []
+
+        def log(stage, step, total=None, **values):
+            if stage == "dit":
+                seen.append(values["loss"])
+
+        train_dit(pipe, prepare(pipe, clips), 600, 2, log, np.random.default_rng(0), torch.Generator().manual_seed(0),
+                  [sample_scene(0, 96, 64)], 1000, 3e-4, max_steps=3, compile=compile_blocks)
+        return seen, pipe
+
+    eager, _ = losses(False)
+    assert not compiled
+    stepped, pipe = losses(True)
+    assert compiled == list(pipe.dit.blocks)  # each block alone, and the DiT has them back
+    assert not any("_orig_mod" in k for k in pipe.dit.state_dict())
+    np.testing.assert_allclose(stepped, eager, rtol=1e-4)
+    assert stepped[-1] < stepped[0]
