@@ -646,13 +646,13 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     many times as often as the others; `edit_tracks` is the share of edit steps on object tracks."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
-    blocks = dit.blocks
-    if compile:
-        dit.blocks = nn.ModuleList(torch.compile(block, dynamic=True) for block in blocks)
     teacher = copy.deepcopy(dit).eval().requires_grad_(False) if guidance != 1 else None
     params = list(dit.parameters())
     ema = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=pipe.device.type == "cuda")
+    blocks = dit.blocks
+    if compile:
+        dit.blocks = nn.ModuleList(torch.compile(block, dynamic=True) for block in blocks)
     names, shares = list(TASKS), np.array(list(TASKS.values()))
     groups = by_caption_length(pipe, data)
     odds = [[clip_odds(data[i]["prompt"], bounce_boost, two_object_boost) for i in g] for g in groups]
