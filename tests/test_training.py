@@ -286,10 +286,10 @@ def test_pick_batch_draws_boosted_clips_by_their_odds_within_one_caption_length(
 def test_clip_odds_multiply_the_boosts_a_caption_meets():
     lone = "a red ball moves right on a white background"
     bouncer = "a red ball bounces on a white background, humming"
-    pair = "a small green box bounces and a large yellow triangle stays still on sand, humming; rain falls"
-    assert [clip_odds(c, 3.0, 2.0) for c in (lone, bouncer, pair)] == [1.0, 3.0, 6.0]
-    assert clip_odds(pair) == 1.0 and clip_odds("a blue box moves left and a red ball moves up in a blue sky", 3.0,
-                                                2.0) == 2.0
+    pair = "a blue box moves left and a red ball moves up in a blue sky"
+    bouncing_pair = "a small green box bounces and a large yellow triangle stays still on sand, humming; rain falls"
+    assert [clip_odds(c, 3.0, 2.0) for c in (lone, bouncer, pair, bouncing_pair)] == [1.0, 3.0, 2.0, 6.0]
+    assert clip_odds(bouncing_pair) == 1.0
 
 
 def test_edit_steps_regenerate_each_clips_own_object_track():
