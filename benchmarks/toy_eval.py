@@ -73,7 +73,8 @@ def sky_mask(scene, width: int, height: int) -> np.ndarray:
 
 def edit_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict]:
     """Masked edits of two-object clips: remove object 0 (a padded box track of it, as Mask Track Box draws),
-    replace it by a box of an unused colour, and repaint the sky of a blue-sky clip at night."""
+    replace it by a box of an unused colour with a new soundtrack (the new box hums at its own pitch; the same with
+    the source's sound kept is the `replace_kept_sound` row), and repaint the sky of a blue-sky clip at night."""
     rows = []
     for i, scene in enumerate(scenes_where(lambda s: len(s.objects) == 2, EVAL_SEED + 1000, args.edits,
                                            width, height)):
@@ -83,12 +84,15 @@ def edit_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict]:
         removed = pipe.edit(EditRequest(source, mask, caption(replace(scene, objects=(kept,))), "remove", seed=i))
         colour = next(c for c in COLOURS if c not in (gone.colour, kept.colour) and visible_on(c, scene.background))
         new = replace(scene, objects=(replace(gone, shape="box", colour=colour), kept))
-        replaced = pipe.edit(EditRequest(source, mask, caption(new), "replace", seed=i))
+        replaced = pipe.edit(EditRequest(source, mask, caption(new), "replace", audio_mask=1.0, seed=i))
+        kept_sound = pipe.edit(EditRequest(source, mask, caption(new), "replace", seed=i))
         row = {"caption": caption(scene), "replacement": caption(new),
                "removal": removal_checks(removed.frames.numpy(), truth, 0, mask),
-               "replace": replacement_checks(replaced.frames.numpy(), truth, 0, colour)}
+               "replace": replacement_checks(replaced.frames.numpy(), truth, 0, colour),
+               "replace_kept_sound": replacement_checks(kept_sound.frames.numpy(), truth, 0, colour)}
         rows.append(row)
-        print(f"edit {i}: remove {row['removal']['checks']} replace {row['replace']['checks']}", flush=True)
+        print(f"edit {i}: remove {row['removal']['checks']} replace {row['replace']['checks']} with the source's "
+              f"sound {row['replace_kept_sound']['checks']}", flush=True)
     for i, scene in enumerate(scenes_where(lambda s: "blue sky" in s.background, EVAL_SEED + 2000, args.edits,
                                            width, height)):
         truth, sky = render(scene, width, height), sky_mask(scene, width, height)
@@ -244,7 +248,8 @@ def main() -> int:
                    "vae_reconstruction_psnr")},
                "t2va_bounce_height_correlation_median": float(np.median(
                    [c for r in rows for c in r["bounce_height_correlation"]] or [np.nan])),
-               **shares(edits, "removal"), **shares(edits, "replace"), **shares(edits, "repaint"),
+               **shares(edits, "removal"), **shares(edits, "replace"), **shares(edits, "replace_kept_sound"),
+               **shares(edits, "repaint"),
                **shares(extensions, "extension"),
                **upscale_rows(args, width, height), **vsa_rows(pipe, args, width, height),
                "wall_s": round(time.perf_counter() - t0, 1), "device": args.device, "weights": str(args.weights),
