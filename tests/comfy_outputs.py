@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from PIL import Image
 
 from engine.io.video import read_audio
-from training.scoring import NAMED_CHECKS, score_clip
+from training.captions import parse_caption
+from training.scoring import NAMED_CHECKS, colour_labels, score_clip
+from training.toy_scene import COLOURS
 
 FPS = 24
 ANALYSIS_WIDTH = 336  # edit checks decode frames at most this wide (a 1344x768 source -> 336x192)
@@ -241,21 +243,42 @@ def _dilate(mask: torch.Tensor, radius: int) -> torch.Tensor:
     return F.max_pool2d(mask.float()[:, None], 2 * radius + 1, stride=1, padding=radius)[:, 0] > 0
 
 
-def edit_change(source: np.ndarray, output: np.ndarray, output_width: int, mask: np.ndarray, spread_px: int,
-                frame_range: tuple[int, int] | None) -> dict:
-    """Mean absolute difference (0..255) between source and output frames inside the mask (shrunk by the edge
-    margin) and outside it (the mask grown by its spread and the margin; every frame outside a frame range).
-    Frames are compared at the output's analysis size; `mask` is at the source's full size and `spread_px` in
-    source pixels."""
+def _at_output_size(source: np.ndarray, output: np.ndarray, mask: np.ndarray):
+    """Source and output frames (float [F, 3, h, w]) and the mask (bool [F, h, w]) at the output's size, over the
+    frames both have."""
     count = min(len(source), len(output))
     h, w = output.shape[1:3]
     src = torch.from_numpy(np.ascontiguousarray(source[:count])).permute(0, 3, 1, 2).float()
     if src.shape[-2:] != (h, w):
         src = F.interpolate(src, size=(h, w), mode="bilinear", antialias=True, align_corners=False)
     out = torch.from_numpy(np.ascontiguousarray(output[:count])).permute(0, 3, 1, 2).float()
+    m = F.interpolate(torch.from_numpy(mask[:count]).float()[:, None], size=(h, w), mode="nearest")[:, 0] > 0
+    return src, out, m
+
+
+def replacement_fill(source: np.ndarray, output: np.ndarray, mask: np.ndarray, caption: str) -> tuple[str, float]:
+    """Issue 18's replacement check on a workflow's output: the colour the prompt names that the source does not
+    show (the new object's), and the share of the former object's pixels (the source's object colours inside the
+    mask) that the output shows in it."""
+    src, out, m = _at_output_size(source, output, mask)
+    before = colour_labels(src.round().clamp(0, 255).byte().permute(0, 2, 3, 1).numpy())
+    after = colour_labels(out.byte().permute(0, 2, 3, 1).numpy())
+    former = m.numpy() & (before >= 0) & (before < len(COLOURS))
+    names, seen = list(COLOURS), np.bincount(before[before >= 0].ravel(), minlength=len(COLOURS))
+    shown = {name for name, count in zip(names, seen) if count >= 0.01 * former.sum()}  # not a stray edge pixel
+    (colour,) = [o.colour for o in parse_caption(caption).objects if o.colour not in shown]
+    return colour, float((after[former] == names.index(colour)).mean())
+
+
+def edit_change(source: np.ndarray, output: np.ndarray, output_width: int, mask: np.ndarray, spread_px: int,
+                frame_range: tuple[int, int] | None) -> dict:
+    """Mean absolute difference (0..255) between source and output frames inside the mask (shrunk by the edge
+    margin) and outside it (the mask grown by its spread and the margin; every frame outside a frame range).
+    Frames are compared at the output's analysis size; `mask` is at the source's full size and `spread_px` in
+    source pixels."""
+    src, out, m = _at_output_size(source, output, mask)
+    count, w = len(m), m.shape[2]
     diff = (src - out).abs().mean(1)  # [F, h, w]
-    m = torch.from_numpy(mask[:count]).float()[:, None]
-    m = F.interpolate(m, size=(h, w), mode="nearest")[:, 0] > 0
     scale = w / output_width  # analysis pixels per output pixel
     spread = round(spread_px * w / mask.shape[2])
     inside = ~_dilate(~m, round(INSIDE_MARGIN_PX * scale))

@@ -74,6 +74,7 @@ import comfy_frontend  # noqa: E402
 import comfy_outputs  # noqa: E402
 from engine_fixture import free_port  # noqa: E402
 from test_pack_import import load_pack  # noqa: E402
+from training.task_checks import FILLED_SHARE  # noqa: E402
 from workflow_check import widgets  # noqa: E402
 
 PACK = Path(__file__).resolve().parent.parent
@@ -523,7 +524,8 @@ def test_workflow_runs_as_shipped(path, comfy, object_info, results):
 
 
 def check_edit(comfy: Comfy, prompt: dict, sources: dict, clips: dict, row: dict) -> list[str]:
-    """The edit's preview differs from its source inside the mask and matches it outside."""
+    """The edit's preview differs from its source inside the mask and matches it outside; on the trained embedded
+    default a replacement shows the colour its prompt names over at least half of the former object's area."""
     (edit_id,) = [i for i, n in prompt.items() if n["class_type"] == "H3ForgeMaskedEdit"]
     (preview_id,) = [i for i, n in prompt.items()
                      if n["class_type"] == "H3ForgePreview" and n["inputs"]["video"][0] == edit_id]
@@ -537,7 +539,15 @@ def check_edit(comfy: Comfy, prompt: dict, sources: dict, clips: dict, row: dict
     row["edit"] = {k: round(v, 2) if isinstance(v, float) else v for k, v in change.items()}
     if not check_kept:
         row["notes"] = f"edit: outside the mask not checked (random-weight {weights!r} VAE)"
-    return edit_problems(change, check_kept)
+    problems = edit_problems(change, check_kept)
+    edit = prompt[edit_id]["inputs"]
+    if edit["preset"] == "replace" and weights in EMBEDDED_WEIGHTS - RANDOM_WEIGHTS:
+        colour, filled = comfy_outputs.replacement_fill(source.pixels, output.pixels, mask, edit["prompt"])
+        row["edit"]["filled"] = {colour: round(filled, 2)}
+        if filled < FILLED_SHARE:
+            problems.append(f"the new {colour} object fills {filled:.0%} of the former object's area, under "
+                            f"{FILLED_SHARE:.0%}")
+    return problems
 
 
 def edit_problems(change: dict, check_kept: bool = True) -> list[str]:
@@ -558,8 +568,8 @@ def edit_problems(change: dict, check_kept: bool = True) -> list[str]:
 
 def test_edit_check_tells_an_edit_from_no_edit_and_a_full_regeneration(comfy):
     """The thresholds above reject the source returned unchanged and a clip that differs everywhere."""
-    source = comfy_outputs.read_mp4((EXAMPLE_INPUTS / "h3_source.mp4").read_bytes(), analysis=True)
-    mask = comfy_outputs.load_mask_png(EXAMPLE_INPUTS / "object_mask.png", "red", source.width, source.height)
+    source = comfy_outputs.read_mp4((EXAMPLE_INPUTS / "h3_scene.mp4").read_bytes(), analysis=True)
+    mask = comfy_outputs.load_mask_png(EXAMPLE_INPUTS / "h3_box_mask.png", "red", source.width, source.height)
     mask = mask[None].repeat(source.frames, 0)
     unchanged = comfy_outputs.edit_change(source.pixels, source.pixels, source.width, mask, 0, None)
     assert any("hardly changed" in p for p in edit_problems(unchanged)), unchanged

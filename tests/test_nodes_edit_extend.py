@@ -267,7 +267,7 @@ def test_a_real_size_source_keeps_comfyuis_event_loop_responsive(settings):
     event loop, Mask Preview and Masked Edit at once): a timer on that loop keeps firing on time throughout, so other
     nodes' connection timeouts and ComfyUI's own messages are never starved."""
     read_video = importlib.import_module("engine.io.video").read_video
-    data = (pack_checks.PACK / "workflows" / "example_inputs" / "h3_source.mp4").read_bytes()
+    data = (pack_checks.PACK / "workflows" / "example_inputs" / "h3_scene.mp4").read_bytes()
     frames, fps, audio, rate = read_video(data)
     assert frames.shape == (FRAMES, 768, 1344, 3)
     video = video_of(torch.from_numpy(frames).float().div_(255), fps,
@@ -284,7 +284,7 @@ def test_a_real_size_source_keeps_comfyuis_event_loop_responsive(settings):
     async def workflow():
         stop = asyncio.Event()
         ticking = asyncio.create_task(timer(stop))
-        (mask,) = await H3ForgeMaskTrackBox().track("0: 197, 491, 277, 277\n123: 610, 491, 277, 277", 1344, 768,
+        (mask,) = await H3ForgeMaskTrackBox().track("0: 197, 245, 277, 277\n123: 610, 245, 277, 277", 1344, 768,
                                                     FRAMES, video=video)
         (mask,) = await H3ForgeMaskGrow().grow(mask, 24)
         overlay, edited = await asyncio.gather(

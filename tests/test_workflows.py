@@ -122,11 +122,11 @@ def test_every_file_a_workflow_loads_ships_with_the_pack(path):
 def test_example_inputs_go_into_comfyuis_input_folder_when_missing(tmp_path):
     load_pack()
     example_inputs = importlib.import_module("h3forge_pack.nodes.example_inputs")
-    (tmp_path / "first_frame.png").write_bytes(b"the user's own file")
+    (tmp_path / "h3_first_frame.png").write_bytes(b"the user's own file")
     copied = example_inputs.install(tmp_path)
     wanted = set().union(*(named_inputs(json.loads(p.read_text())) for p in WORKFLOWS))
-    assert wanted <= {p.name for p in tmp_path.iterdir()} and "first_frame.png" not in copied
-    assert (tmp_path / "first_frame.png").read_bytes() == b"the user's own file"
+    assert wanted <= {p.name for p in tmp_path.iterdir()} and "h3_first_frame.png" not in copied
+    assert (tmp_path / "h3_first_frame.png").read_bytes() == b"the user's own file"
     assert example_inputs.install(tmp_path) == []
 
 
@@ -140,9 +140,9 @@ def test_example_inputs_are_what_their_script_draws(tmp_path):
     make = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make)
     make.main(tmp_path)
-    for name in ("first_frame.png", "last_frame.png", "object_mask.png", "sky_mask.png"):
+    for name in ("h3_first_frame.png", "h3_last_frame.png", "h3_box_mask.png", "sky_mask.png"):
         assert np.array_equal(np.asarray(Image.open(tmp_path / name)), np.asarray(Image.open(EXAMPLES / name))), name
-    frames, fps, audio, rate = read_video((EXAMPLES / "h3_source.mp4").read_bytes())
+    frames, fps, audio, rate = read_video((EXAMPLES / "h3_scene.mp4").read_bytes())
     assert frames.shape == (make.FRAMES, make.HEIGHT, make.WIDTH, 3) and fps == 24 and audio.shape[0] == 2
     # The removal workflow's track box follows the drawn ball.
     track = next(n for n in json.loads((WORKFLOWS[0].parent / "h3_object_removal.json").read_text())["nodes"]
