@@ -410,12 +410,14 @@ def extension_rows(T: int, rng) -> tuple[int, int, float]:
 
 def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, caption_drop: float = 0.0,
              teacher=None, guidance: float = 1.0, video_shift: float = VIDEO_SHIFT,
-             noise_gen: torch.Generator | None = None, edit_tracks: float = 0.0) -> torch.Tensor:
+             noise_gen: torch.Generator | None = None, edit_tracks: float = 0.0,
+             edit_kept_sound: float = 0.0) -> torch.Tensor:
     """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
     the source outside a box (an `edit_tracks` share of the time, each clip's track of one object) at the condition
-    level (edit), the window's first latents noised to the condition level with its clean audio, on a shifted clock
+    level and, an `edit_kept_sound` share of the time, the clip's own sound clean at timestep 1 and not scored (what
+    a Masked Edit that keeps the source's sound feeds) (edit), the window's first latents noised to the condition level with its clean audio, on a shifted clock
     (extension; the window is the clip's later one when it has one), an image reference (the clip's middle frame at
     the reference size) noised likewise and a clean sound reference (its first seconds), the prompt presenting both
     (ref2va). With a `teacher`, a DISTILLED_TASKS layout's target is its velocity guided by `guidance`
@@ -443,6 +445,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     xv, xa = (1 - s_v) * x0v + s_v * ev, (1 - s_a) * x0a + s_a * ea
     t_video, weight = 1 - s_v, torch.stack([b["weight"] for b in clips])
     cond_v, cond_a = xv[:, :0], xa[:, :0]
+    sound_given = False
     if keyframes:
         layout = L.build_layout(tags, T, h, w, Ta, patch, keyframes)
         cond_v = torch.cat([L.patchify(torch.stack([b[k] for b in batch])) for k in keyframes], dim=1)
@@ -467,6 +470,9 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
         layout = L.build_layout(tags, T, h, w, Ta, patch)
         if task == "edit":  # regenerated cells at 1 - s, the rest of the source at the condition level
             q = edit_rows(batch, T, h, w, patch, rng, edit_tracks)
+            sound_given = bool(edit_kept_sound) and rng.random() < edit_kept_sound
+            if sound_given:
+                xa, s_a = x0a, 0.0
             anchor = L.CONDITION_TIMESTEP * x0v + (1 - L.CONDITION_TIMESTEP) * noise(x0v)
             xv = torch.lerp(anchor, xv, q[..., None])
             t_video = Target(xv, cap=L.CONDITION_TIMESTEP, model_mask=q.cpu()).timesteps(s_v)
@@ -490,6 +496,8 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
         v_out, a_out = dit(video, audio, text, *rows)
     v_err = (v_out[:, cond_v.shape[1]:].float() - target_v).pow(2).mean(-1)
     video_loss = (v_err * weight).sum() / weight.sum().clamp(min=1)
+    if sound_given:
+        return video_loss
     return video_loss + F.mse_loss(a_out[:, cond_a.shape[1]:].float(), target_a)
 
 
@@ -636,14 +644,15 @@ def pick_batch(groups: list[list[int]], odds: list[list[float]], batch: int, rng
 def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, log: Log, rng, gen, eval_scenes,
               eval_every: int, lr: float, max_steps=None, caption_drop: float = CAPTION_DROP, guidance: float = 1.0,
               eval_guidance=(1.0,), compile: bool = False, bounce_boost: float = 1.0,
-              edit_tracks: float = 0.0, two_object_boost: float = 1.0) -> None:
+              edit_tracks: float = 0.0, two_object_boost: float = 1.0, edit_kept_sound: float = 0.0) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
     exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
     `compile` runs the blocks of the training steps through torch.compile, one block at a time (dynamic shapes; the
     blocks share their code, so one graph serves all of them; the whole DiT compiled spent 100-250 s of each run
     on a graph per layout): the eager step is bound by the unfused fp32 norm / modulation / residual passes over
     the rows. `bounce_boost` and `two_object_boost` draw clips with a bouncing object, or with two objects, that
-    many times as often as the others; `edit_tracks` is the share of edit steps on object tracks."""
+    many times as often as the others; `edit_tracks` is the share of edit steps on object tracks and
+    `edit_kept_sound` the share given the clip's sound."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
     teacher = copy.deepcopy(dit).eval().requires_grad_(False) if guidance != 1 else None
@@ -669,7 +678,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
             task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
             picks = pick_batch(groups, odds, batch, rng)
         loss = dit_loss(dit, [data[i] for i in picks], task, rng, gen, caption_drop, teacher, guidance,
-                        pipe.video_shift, None if max_steps else noise_gen, edit_tracks)
+                        pipe.video_shift, None if max_steps else noise_gen, edit_tracks, edit_kept_sound)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -757,6 +766,9 @@ def main(argv=None) -> int:
                    help="share of the DiT's edit steps whose mask is each clip's track of one object as Mask Track "
                         "Box boxes it, the rest a random box (a replacement's mask; 0: boxes only, as the DiT was "
                         "trained until stop 45)")
+    p.add_argument("--edit-kept-sound", type=float, default=0.0,
+                   help="share of the DiT's edit steps given the clip's own sound, clean (Masked Edit's keep_audio, "
+                        "its default) instead of generating it")
     p.add_argument("--later-windows", action="store_true",
                    help="every clip also gets a window of its scene from a random later start (up to 15 s), and "
                         "the extension steps train on those: guides with objects mid-path or past a wall hit")
@@ -841,7 +853,7 @@ def main(argv=None) -> int:
         train_dit(pipe, encoded(pipe, clips, cache, args.later_windows), stage_budget("dit"),
                   2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
                   args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost,
-                  args.edit_tracks, args.two_object_boost)
+                  args.edit_tracks, args.two_object_boost, args.edit_kept_sound)
         save_compiled(args.compile_cache if args.compile else None)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
