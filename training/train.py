@@ -417,13 +417,13 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
     the source outside a box (an `edit_tracks` share of the time, each clip's track of one object) at the condition
     level and, an `edit_kept_sound` share of the time, the clip's own sound clean at timestep 1 and not scored (what
-    a Masked Edit that keeps the source's sound feeds) (edit), the window's first latents noised to the condition level with its clean audio, on a shifted clock
-    (extension; the window is the clip's later one when it has one), an image reference (the clip's middle frame at
-    the reference size) noised likewise and a clean sound reference (its first seconds), the prompt presenting both
-    (ref2va). With a `teacher`, a DISTILLED_TASKS layout's target is its velocity guided by `guidance`
-    (training/guidance.py), else the flow's, with a `caption_drop` share of the prompts zeroed. The noise comes
-    from `noise_gen` (a generator on the device: drawn on the host, a batch's noise costs more than its step) or
-    else `gen`."""
+    a Masked Edit that keeps the source's sound feeds) (edit), the window's first latents noised to the condition
+    level with its clean audio, on a shifted clock (extension; the window is the clip's later one when it has one),
+    an image reference (the clip's middle frame at the reference size) noised likewise and a clean sound reference
+    (its first seconds), the prompt presenting both (ref2va). With a `teacher`, a DISTILLED_TASKS layout's target is
+    its velocity guided by `guidance` (training/guidance.py), else the flow's, with a `caption_drop` share of the
+    prompts zeroed. The noise comes from `noise_gen` (a generator on the device: drawn on the host, a batch's noise
+    costs more than its step) or else `gen`."""
     device = batch[0]["video"].device
     clips = [b.get("later", b) for b in batch] if task == "extend" else batch
     x0v = L.patchify(torch.stack([b["video"] for b in clips]))
