@@ -52,7 +52,7 @@ def test_replacement_fill_finds_the_new_colour_over_the_former_objects_area():
     prompt = "a large red ball stays still and a large blue box stays still on green grass under a blue sky"
     new = render(replace(scene, objects=(scene.objects[0], replace(scene.objects[1], colour="blue"))), 224, 128,
                  num_frames=5)
-    assert comfy_outputs.replacement_fill(source.frames, new.frames, mask, prompt)[0] == "blue"
-    assert comfy_outputs.replacement_fill(source.frames, new.frames, mask, prompt)[1] > 0.9
+    colour, filled = comfy_outputs.replacement_fill(source.frames, new.frames, mask, prompt)
+    assert colour == "blue" and filled > 0.9
     kept = render(scene, 224, 128, num_frames=5)
     assert comfy_outputs.replacement_fill(source.frames, kept.frames, mask, prompt) == ("blue", 0.0)
