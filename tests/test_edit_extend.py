@@ -237,15 +237,19 @@ print(json.dumps({"delta": peak[0] - base, "result_bytes": result + len(out.mp4 
 
 
 def test_memory_of_a_4_window_extension_is_within_10_percent_of_2_windows():
-    def run(seconds):
+    def start(seconds):
         # glibc keeps freed heap blocks mapped; with a low mmap threshold RSS follows what is really alive.
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-        proc = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(seconds)], capture_output=True, text=True,
-                              timeout=300, env=env)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return subprocess.Popen([sys.executable, "-c", MEMORY_SCRIPT, str(seconds)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
 
-    two, four = run(2 * 4.25), run(4 * 4.25)
+    def result(proc):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+    runs = [start(2 * 4.25), start(4 * 4.25)]  # one thread each: side by side on two cores
+    two, four = map(result, runs)
     assert (two["frames"], four["frames"]) == (124 + 2 * 102, 124 + 4 * 102)  # windows of 124 frames
     # Working memory (peak growth minus the result itself: frames, sound, latents, MP4) must not grow with windows.
     # Measured on 2 CPU cores: 1 window 47.9 MB, 2 windows 59.8, 3 windows 60.3 (the first window after the source

@@ -408,10 +408,10 @@ def test_compiled_blocks_train_as_the_eager_ones_and_the_dit_ends_eager(monkeypa
     assert stepped[-1] < stepped[0]
 
 
-def test_edit_steps_with_kept_sound_give_the_dit_the_clips_sound_as_a_masked_edit_does():
-    """--edit-kept-sound: an edit step gives the DiT the clip's own sound clean at timestep 1 (Masked Edit with
-    keep_audio, the engine's default: `Target(anchor=clean, model_mask=0)`) and does not score the DiT's audio;
-    without it the sound is noised and generated."""
+def test_edit_steps_with_kept_sound_give_the_dit_another_clips_sound_as_a_masked_edit_does():
+    """--edit-kept-sound: an edit step gives the DiT a sound clean at timestep 1 (Masked Edit with keep_audio, the
+    engine's default: `Target(anchor=clean, model_mask=0)`) and does not score the DiT's audio; the sound is the
+    next clip's of the batch, so it cannot tell what the hole held. Without it the sound is noised and generated."""
     import numpy as np
 
     import training.train as train
@@ -421,11 +421,12 @@ def test_edit_steps_with_kept_sound_give_the_dit_the_clips_sound_as_a_masked_edi
     attention.set_backend("sdpa")
     pipe = H3Pipeline.from_preset("tiny")
     sample = train.prepare(pipe, train.toy_clips([3], 96, 64, 0.9, 1))[0]
+    other = {**sample, "audio": sample["audio"].flip(-1)}
     layout = L.build_layout(sample["tags"][()], *sample["video"].shape[1:], sample["audio"].shape[-1])
     seen, shift = {}, {"audio": 0.0}
 
     def given(_, args):
-        seen.update(audio=args[1][0], t=args[3][args[4]][layout.audio_indices])
+        seen.update(audio=args[1], t=args[3][args[4]][..., layout.audio_indices])
 
     def shifted(_, args, out):  # moves the DiT's audio output: the loss notices only when it scores the audio
         return out[0], out[1] + shift["audio"]
@@ -436,12 +437,14 @@ def test_edit_steps_with_kept_sound_give_the_dit_the_clips_sound_as_a_masked_edi
     def loss(kept: float, audio_shift: float) -> float:
         shift["audio"] = audio_shift
         with torch.no_grad():
-            return float(train.dit_loss(pipe.dit, [sample], "edit", np.random.default_rng(0),
+            return float(train.dit_loss(pipe.dit, [sample, other], "edit", np.random.default_rng(0),
                                         torch.Generator().manual_seed(0), edit_kept_sound=kept))
 
+    clean = L.pack_audio(torch.stack([sample["audio"], other["audio"]]))
     kept = loss(1.0, 0.0)
-    assert (seen["t"] == 1).all() and torch.equal(seen["audio"], L.pack_audio(sample["audio"][None])[0])
+    assert (seen["t"] == 1).all() and torch.equal(seen["audio"], clean.flip(0))
     assert loss(1.0, 5.0) == kept
     generated = loss(0.0, 0.0)
-    assert (seen["t"] < 1).all() and not torch.equal(seen["audio"], L.pack_audio(sample["audio"][None])[0])
+    assert (seen["t"] < 1).all() and not torch.equal(seen["audio"], clean)
+    assert not torch.equal(seen["audio"], clean.flip(0))
     assert loss(0.0, 5.0) > generated + 1

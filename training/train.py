@@ -416,14 +416,14 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
     the source outside a box (an `edit_tracks` share of the time, each clip's track of one object) at the condition
-    level and, an `edit_kept_sound` share of the time, the clip's own sound clean at timestep 1 and not scored (what
-    a Masked Edit that keeps the source's sound feeds) (edit), the window's first latents noised to the condition
-    level with its clean audio, on a shifted clock (extension; the window is the clip's later one when it has one),
-    an image reference (the clip's middle frame at the reference size) noised likewise and a clean sound reference
-    (its first seconds), the prompt presenting both (ref2va). With a `teacher`, a DISTILLED_TASKS layout's target is
-    its velocity guided by `guidance` (training/guidance.py), else the flow's, with a `caption_drop` share of the
-    prompts zeroed. The noise comes from `noise_gen` (a generator on the device: drawn on the host, a batch's noise
-    costs more than its step) or else `gen`."""
+    level and, an `edit_kept_sound` share of the time, the batch's next clip's sound clean at timestep 1 and not
+    scored (what a Masked Edit that keeps the source's sound feeds) (edit), the window's first latents noised to the
+    condition level with its clean audio, on a shifted clock (extension; the window is the clip's later one when it
+    has one), an image reference (the clip's middle frame at the reference size) noised likewise and a clean sound
+    reference (its first seconds), the prompt presenting both (ref2va). With a `teacher`, a DISTILLED_TASKS layout's
+    target is its velocity guided by `guidance` (training/guidance.py), else the flow's, with a `caption_drop` share
+    of the prompts zeroed. The noise comes from `noise_gen` (a generator on the device: drawn on the host, a batch's
+    noise costs more than its step) or else `gen`."""
     device = batch[0]["video"].device
     clips = [b.get("later", b) for b in batch] if task == "extend" else batch
     x0v = L.patchify(torch.stack([b["video"] for b in clips]))
@@ -471,8 +471,8 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
         if task == "edit":  # regenerated cells at 1 - s, the rest of the source at the condition level
             q = edit_rows(batch, T, h, w, patch, rng, edit_tracks)
             sound_given = bool(edit_kept_sound) and rng.random() < edit_kept_sound
-            if sound_given:
-                xa, s_a = x0a, 0.0
+            if sound_given:  # another clip's: the clip's own hums what the hole held, and the DiT copies it back
+                xa, s_a = x0a.roll(1, 0), 0.0
             anchor = L.CONDITION_TIMESTEP * x0v + (1 - L.CONDITION_TIMESTEP) * noise(x0v)
             xv = torch.lerp(anchor, xv, q[..., None])
             t_video = Target(xv, cap=L.CONDITION_TIMESTEP, model_mask=q.cpu()).timesteps(s_v)
@@ -652,7 +652,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     on a graph per layout): the eager step is bound by the unfused fp32 norm / modulation / residual passes over
     the rows. `bounce_boost` and `two_object_boost` draw clips with a bouncing object, or with two objects, that
     many times as often as the others; `edit_tracks` is the share of edit steps on object tracks and
-    `edit_kept_sound` the share given the clip's sound."""
+    `edit_kept_sound` the share given a kept sound."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
     teacher = copy.deepcopy(dit).eval().requires_grad_(False) if guidance != 1 else None
@@ -767,7 +767,7 @@ def main(argv=None) -> int:
                         "Box boxes it, the rest a random box (a replacement's mask; 0: boxes only, as the DiT was "
                         "trained until stop 45)")
     p.add_argument("--edit-kept-sound", type=float, default=0.0,
-                   help="share of the DiT's edit steps given the clip's own sound, clean (Masked Edit's keep_audio, "
+                   help="share of the DiT's edit steps given another clip's sound, clean (Masked Edit's keep_audio, "
                         "its default) instead of generating it")
     p.add_argument("--later-windows", action="store_true",
                    help="every clip also gets a window of its scene from a random later start (up to 15 s), and "
