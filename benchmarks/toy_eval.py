@@ -226,6 +226,7 @@ def main() -> int:
         roundtrip = score_clip(recon[:len(truth.frames)], sound[:, :truth.audio.shape[1]], scene)["checks"]
         row = {"caption": caption(scene), "checks": verdict, "passed": all(verdict.values()),
                "named_passed": all(verdict[k] for k in NAMED_CHECKS if k in verdict),
+               "vae_roundtrip_named_passed": all(roundtrip[k] for k in NAMED_CHECKS if k in roundtrip),
                "fl2va_first_frame_psnr": round(psnr(fl2va.frames[0].numpy(), truth.frames[0]), 2),
                "fl2va_both_first_psnr": round(psnr(both.frames[0].numpy(), truth.frames[0]), 2),
                "fl2va_both_last_psnr": round(psnr(both.frames[-1].numpy(), truth.frames[-1]), 2),
@@ -238,10 +239,13 @@ def main() -> int:
         for name, ok in roundtrip.items():
             checks.setdefault(f"vae_roundtrip_{name}", []).append(bool(ok))
         print(f"{i:3d} {'pass' if row['passed'] else 'fail'} fl2va {row['fl2va_first_frame_psnr']:5.1f} dB "
-              f"{' '.join(k for k, ok in verdict.items() if not ok) or '-'} | {row['caption']}", flush=True)
+              f"{' '.join(k for k, ok in verdict.items() if not ok) or '-'} "
+              f"(round trip: {' '.join(k for k, ok in roundtrip.items() if not ok) or '-'}) | {row['caption']}",
+              flush=True)
     edits, extensions = edit_rows(pipe, args, width, height), extension_rows(pipe, args, width, height)
     summary = {"captions": len(rows), "t2va_all_checks": float(np.mean([r["passed"] for r in rows])),
                "t2va_named_checks": float(np.mean([r["named_passed"] for r in rows])),
+               "vae_roundtrip_named_checks": float(np.mean([r["vae_roundtrip_named_passed"] for r in rows])),
                **{k if k.startswith("vae_") else f"t2va_{k}": float(np.mean(v)) for k, v in checks.items()},
                **{f"{k}_median": float(np.median([r[k] for r in rows])) for k in (
                    "fl2va_first_frame_psnr", "fl2va_both_first_psnr", "fl2va_both_last_psnr",
