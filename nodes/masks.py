@@ -14,7 +14,7 @@ import re
 
 from .client import EngineError, protocol
 from .engine_node import ENGINE_TYPE, connect, readable_error
-from .video_io import engine_module, images_to_uint8, mask_batch, mask_to_uint8, video_frames
+from .video_io import engine_module, frame_chunks, images_to_uint8, mask_batch, mask_to_uint8, video_frames
 
 MAX_SIDE = 8192
 MAX_FRAMES = 100000
@@ -108,13 +108,18 @@ def window_max(x, radius: int, dim: int):
 def grow_mask(mask, pixels: int):
     """Grow (pixels > 0) or shrink (< 0) every frame of a [B, H, W] mask by `pixels` in each direction (square
     corners). Shrinking keeps the image border: the area outside the frame counts as masked."""
+    import torch
+
     r = abs(int(pixels))
     if r == 0:
         return mask.clone()
     inverse = pixels < 0
-    x = 1 - mask if inverse else mask
-    x = window_max(window_max(x, r, -1), r, -2)
-    return 1 - x if inverse else x
+    out = torch.empty_like(mask)
+    for chunk in frame_chunks(mask):
+        x = 1 - mask[chunk] if inverse else mask[chunk]
+        x = window_max(window_max(x, r, -1), r, -2)
+        out[chunk] = 1 - x if inverse else x
+    return out
 
 
 def box_blur(x, radius: int, dim: int):
@@ -133,11 +138,16 @@ def feather_mask(mask, pixels: int):
     """Soften the edges of a [B, H, W] mask so they fade over about `pixels` on each side (two box blurs)."""
     if pixels <= 0:
         return mask.clone()
+    import torch
+
     radius = max(1, round(int(pixels) / 2))
-    x = mask
-    for _ in range(2):
-        x = box_blur(box_blur(x, radius, -1), radius, -2)
-    return x.clamp(0, 1)
+    out = torch.empty_like(mask)
+    for chunk in frame_chunks(mask):
+        x = mask[chunk]
+        for _ in range(2):
+            x = box_blur(box_blur(x, radius, -1), radius, -2)
+        out[chunk] = x.clamp(0, 1)
+    return out
 
 
 # ---- geometry shared by the shape nodes ---------------------------------------------------------------------------
@@ -363,10 +373,10 @@ def latent_overlay(images, fps: float, mask, strength: float, short_edge: int, m
         clip = source.prepare_clip(request.Source(frames, float(fps)), short_edge, max_pixels)
         count = clip.frames.shape[0]
         padded, _ = layout.frames_for_seconds(count / layout.FPS)
-        pixel_mask = torch.from_numpy(wire_mask.astype(np.float32) / 255)
-        if pixel_mask.ndim == 3:
+        pixel_mask = torch.from_numpy(np.divide(wire_mask, 255, dtype=np.float32))
+        if pixel_mask.ndim == 3 and pixel_mask.shape[0] != count:
             pixel_mask = pixel_mask[clip.frame_index]  # a per-frame mask follows the 24 fps resampling
-        cells = cells_of.cell_mask(pixel_mask * float(strength), padded, clip.height, clip.width)
+        _, cells = cells_of.edit_cells(pixel_mask, float(strength), padded, clip.height, clip.width)
     except ValueError as error:
         raise ValueError(f"H3Forge: {error}") from None
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.models.h3 import layout as L
-from engine.models.h3.mask import cell_mask, latent_frame_spans
+from engine.models.h3.mask import canvas_mask, cell_mask, latent_frame_spans
 from engine.models.h3.pipeline import FULL_CANVAS, TINY_CANVAS
 from engine.models.h3.request import Source
 from engine.models.h3.source import prepare_clip
@@ -137,7 +137,8 @@ def engine_cells(frames_u8, fps, mask, strength, canvas):
     mask = torch.from_numpy((mask.numpy() * 255).round().astype(np.uint8).astype(np.float32) / 255)
     if mask.shape[0] > 1:
         mask = mask[clip.frame_index]
-    return clip, padded, cell_mask(mask * strength, padded, clip.height, clip.width)
+    drawn = canvas_mask(mask, padded, clip.height, clip.width)
+    return clip, padded, cell_mask(drawn * strength, padded, clip.height, clip.width)
 
 
 @pytest.mark.parametrize("strength", [1.0, 0.4])
@@ -233,6 +234,25 @@ def test_feather_is_monotone():
     assert torch.equal(soft[0], soft[1])
     (same,) = asyncio.run(H3ForgeMaskFeather().feather(half, 0))
     assert torch.equal(same, half)
+
+
+def test_whole_clip_conversions_give_the_same_values_a_few_frames_at_a_time(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    masks, images = torch.rand(5, 17, 23, generator=g), torch.rand(5, 17, 23, 4, generator=g) * 1.2 - 0.1
+    masks[:, 3:9, 4:12] = 1
+
+    def converted():
+        return ([asyncio.run(H3ForgeMaskGrow().grow(masks, pixels))[0] for pixels in (3, -2)]
+                + [asyncio.run(H3ForgeMaskFeather().feather(masks, 4))[0]]
+                + [torch.from_numpy(video_io.mask_to_uint8(m)) for m in (masks, masks[:1].expand(5, -1, -1))]
+                + [torch.from_numpy(video_io.images_to_uint8(images))])
+
+    whole = converted()
+    monkeypatch.setattr(video_io, "CHUNK_ELEMENTS", 2 * 17 * 23)  # two frames a chunk, the last one alone
+    assert video_io.frame_chunks(masks) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    chunked = converted()
+    assert [t.shape for t in whole] == [(5, 17, 23)] * 4 + [(17, 23), (5, 17, 23, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
 
 
 def test_track_box_interpolates_between_keyframes():

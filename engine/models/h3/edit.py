@@ -47,8 +47,7 @@ def run_edit(pipe, req: EditRequest, on_step=None) -> GenerateResult:
         notes.append(f"mask {mask_w}x{mask_h} resized to the video's {source_w}x{source_h}")
     if mask.ndim == 3 and len(clip.frame_index) != mask.shape[0] and mask.shape[0] == len(req.source.frames):
         mask = mask[clip.frame_index]  # a per-frame mask follows the source's fps resampling
-    drawn = M.canvas_mask(mask, frames, height, width)
-    cells = M.cell_mask(drawn * strength, frames, height, width)
+    drawn, cells = M.edit_cells(mask, strength, frames, height, width)
     if cells.max() == 0:
         raise M.MaskError("The mask is empty (all 0): nothing would change. Paint the area to regenerate "
                           "with 1 (white); 0 keeps the source.")

@@ -42,11 +42,12 @@ def check_mask(mask: torch.Tensor, frames: int, name: str = "mask") -> torch.Ten
     if mask.ndim != 3:
         raise MaskError(f"The {name} must be 2-D [H, W] or per frame [frames, H, W], got shape {list(mask.shape)}.")
     mask = mask.float()
-    if not torch.isfinite(mask).all():
+    low, high = torch.aminmax(mask)  # one pass over a real-size mask; a NaN anywhere makes both NaN
+    if not (torch.isfinite(low) and torch.isfinite(high)):
         raise MaskError(f"The {name} contains NaN or infinite values.")
-    if mask.min() < 0 or mask.max() > 1:
+    if low < 0 or high > 1:
         raise MaskError(f"The {name} must hold values from 0 (keep) to 1 (regenerate), "
-                        f"got {mask.min().item():g} to {mask.max().item():g}.")
+                        f"got {low.item():g} to {high.item():g}.")
     if mask.shape[0] == 1:
         mask = mask.expand(frames, -1, -1)
     elif mask.shape[0] < frames:  # a clip padded up to 17n + 5 repeats its last frame; so does its mask
@@ -71,6 +72,14 @@ def cell_mask(mask: torch.Tensor, frames: int, height: int, width: int) -> torch
     s = L.VAE_SPATIAL
     cells = F.max_pool2d(mask[:, None], kernel_size=s, stride=s)[:, 0]
     return torch.stack([cells[a:b].amax(dim=0) for a, b in latent_frame_spans(frames)])
+
+
+def edit_cells(mask: torch.Tensor, strength: float, frames: int, height: int,
+               width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An edit's mask as drawn -> (the mask on the canvas [frames, height, width], which keeps the source's pixels
+    where it is 0, and the latent cells it regenerates at `strength`): the engine's edit and Mask Preview alike."""
+    drawn = canvas_mask(mask, frames, height, width)
+    return drawn, cell_mask(drawn * strength, frames, height, width)
 
 
 def token_mask(cells: torch.Tensor) -> torch.Tensor:
