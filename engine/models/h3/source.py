@@ -67,9 +67,11 @@ def prepare_clip(source: Source, short_edge: int, max_pixels: int, on_step=None)
 def resize_frames(frames: torch.Tensor, height: int, width: int, on_chunk=None) -> torch.Tensor:
     out = torch.empty(frames.shape[0], height, width, 3, dtype=torch.uint8)
     for i in range(0, frames.shape[0], RESIZE_CHUNK):
-        x = frames[i:i + RESIZE_CHUNK].permute(0, 3, 1, 2).float()
+        # uint8 in channels-last order: torch's native uint8 kernel, ~13x the float path (a 1344x768 clip of 124
+        # frames: 0.07 s against 0.94 s on two cores), rounding within one level of it
+        x = frames[i:i + RESIZE_CHUNK].cpu().permute(0, 3, 1, 2)
         x = F.interpolate(x, size=(height, width), mode="bilinear", align_corners=False, antialias=True)
-        out[i:i + RESIZE_CHUNK] = x.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+        out[i:i + RESIZE_CHUNK] = x.permute(0, 2, 3, 1)
         if on_chunk is not None:
             on_chunk()
     return out
