@@ -355,8 +355,7 @@ async def canvas_rules(choice: str, engine) -> tuple[int, int]:
 
 def latent_overlay(images, fps: float, mask, strength: float, short_edge: int, max_pixels: int, grid: bool):
     """The video as the engine sees it (24 fps, on the canvas) with every regenerated latent cell tinted red, as
-    strongly as it is regenerated. Same steps as the engine's edit: uint8 mask, prepare_clip, cell_mask."""
-    import numpy as np
+    strongly as it is regenerated. Same steps as the engine's edit: uint8 mask, prepare_clip, edit_cells."""
     import torch
 
     layout = engine_module("engine.models.h3.layout")
@@ -373,7 +372,7 @@ def latent_overlay(images, fps: float, mask, strength: float, short_edge: int, m
         clip = source.prepare_clip(request.Source(frames, float(fps)), short_edge, max_pixels)
         count = clip.frames.shape[0]
         padded, _ = layout.frames_for_seconds(count / layout.FPS)
-        pixel_mask = torch.from_numpy(np.divide(wire_mask, 255, dtype=np.float32))
+        pixel_mask = torch.from_numpy(wire_mask)
         if pixel_mask.ndim == 3 and pixel_mask.shape[0] != count:
             pixel_mask = pixel_mask[clip.frame_index]  # a per-frame mask follows the 24 fps resampling
         _, cells = cells_of.edit_cells(pixel_mask, float(strength), padded, clip.height, clip.width)

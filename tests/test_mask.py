@@ -63,6 +63,18 @@ def test_restore_rows_match_the_packed_feature_order():
     assert rows[1 * 2 + 1, 2 * 4 + 1 * 2 + 0] == cells[1, 1, 2]
 
 
+def test_a_wire_mask_in_uint8_gives_the_float_masks_canvas_a_few_frames_at_a_time(monkeypatch):
+    """The engine keeps a sent uint8 mask as it came and converts it after resizing, a few frames at a time; the
+    canvas is the one its float 0..1 form gives in one go (shrunk by area, grown by nearest, padded to 17n + 5)."""
+    wire = torch.randint(0, 256, (20, 48, 72), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    expected = {size: M.canvas_mask(wire.float() / 255, 22, *size) for size in ((32, 48), (64, 96), (48, 72))}
+    monkeypatch.setattr(M, "CHUNK_ELEMENTS", 3 * 48 * 72)  # three frames a chunk
+    for size, canvas in expected.items():
+        assert canvas.shape == (22, *size) and torch.equal(canvas[20:], canvas[19:20].expand(2, -1, -1))
+        assert torch.equal(M.canvas_mask(wire, 22, *size), canvas)
+    assert torch.equal(M.canvas_mask(wire[3], 22, 32, 48), expected[32, 48][3].expand(22, -1, -1))
+
+
 @pytest.mark.parametrize("bad, message", [
     (torch.full((32, 32), float("nan")), "NaN"),
     (torch.full((32, 32), 2.0), "from 0 .keep. to 1"),

@@ -260,7 +260,7 @@ def edit_request(spec: JobSpec, source: Source) -> EditRequest:
     problem = mask_mismatch(mask.shape, tuple(source.frames.shape))
     if problem:
         raise MaskError(problem)
-    mask = np.divide(mask, 255, dtype=np.float32) if mask.dtype == np.uint8 else np.array(mask)
+    mask = np.array(mask)  # writable (torch wants it); uint8 stays uint8, converted a few frames at a time
     return EditRequest(source, mask, prompt=p.get("prompt", ""), preset=p.get("preset", "replace"),
                        strength=p.get("strength"), audio_mask=p.get("audio_mask"), steps=p.get("steps"),
                        seed=p.get("seed", 0), loras=_loras(p))

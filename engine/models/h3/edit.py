@@ -41,7 +41,7 @@ def run_edit(pipe, req: EditRequest, on_step=None) -> GenerateResult:
     notes = clip.notes + ([f"source padded from {source_frames} to {frames} frames (17n + 5); the result is cut "
                            f"back to {source_frames}"] if frames != source_frames else [])
     height, width = clip.height, clip.width
-    mask = torch.as_tensor(req.mask).float()
+    mask = torch.as_tensor(req.mask)
     (mask_h, mask_w), (source_h, source_w) = mask.shape[-2:], req.source.frames.shape[1:3]
     if (mask_h, mask_w) != (source_h, source_w):
         notes.append(f"mask {mask_w}x{mask_h} resized to the video's {source_w}x{source_h}")

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from engine.models.h3 import layout as L
 
 LEVELS = 256
+CHUNK_ELEMENTS = 1 << 22  # mask pixels converted and resized at a time
 
 
 class MaskError(ValueError):
@@ -34,36 +35,46 @@ def latent_frame_spans(num_frames: int) -> list[tuple[int, int]]:
     return spans
 
 
-def check_mask(mask: torch.Tensor, frames: int, name: str = "mask") -> torch.Tensor:
-    """Validate and bring a mask to [F, H, W] float32 (F = frames); 2-D and single-frame masks broadcast."""
+def check_mask(mask, frames: int, name: str = "mask") -> torch.Tensor:
+    """Validate a mask, float 0..1 or uint8 0..255 (as the wire carries it), 2-D [H, W] or per frame [F, H, W] with
+    F at most `frames`; returned 3-D in its own dtype."""
     mask = torch.as_tensor(mask)
     if mask.ndim == 2:
         mask = mask[None]
     if mask.ndim != 3:
         raise MaskError(f"The {name} must be 2-D [H, W] or per frame [frames, H, W], got shape {list(mask.shape)}.")
-    mask = mask.float()
-    low, high = torch.aminmax(mask)  # one pass over a real-size mask; a NaN anywhere makes both NaN
-    if not (torch.isfinite(low) and torch.isfinite(high)):
-        raise MaskError(f"The {name} contains NaN or infinite values.")
-    if low < 0 or high > 1:
-        raise MaskError(f"The {name} must hold values from 0 (keep) to 1 (regenerate), "
-                        f"got {low.item():g} to {high.item():g}.")
-    if mask.shape[0] == 1:
-        mask = mask.expand(frames, -1, -1)
-    elif mask.shape[0] < frames:  # a clip padded up to 17n + 5 repeats its last frame; so does its mask
-        mask = torch.cat([mask, mask[-1:].expand(frames - mask.shape[0], -1, -1)])
-    elif mask.shape[0] > frames:
+    if mask.dtype != torch.uint8:
+        mask = mask.float()
+        low, high = torch.aminmax(mask)  # one pass over a real-size mask; a NaN anywhere makes both NaN
+        if not (torch.isfinite(low) and torch.isfinite(high)):
+            raise MaskError(f"The {name} contains NaN or infinite values.")
+        if low < 0 or high > 1:
+            raise MaskError(f"The {name} must hold values from 0 (keep) to 1 (regenerate), "
+                            f"got {low.item():g} to {high.item():g}.")
+    if mask.shape[0] > frames:
         raise MaskError(f"The {name} has {mask.shape[0]} frames but the video has {frames}.")
     return mask
 
 
-def canvas_mask(mask: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
-    """A mask as drawn (on the source's own size or the canvas) -> [F, height, width] on the canvas."""
+def canvas_mask(mask, frames: int, height: int, width: int) -> torch.Tensor:
+    """A mask as drawn (on the source's own size or the canvas; `check_mask`) -> float [frames, height, width] on
+    the canvas. A single-frame mask covers every frame; a shorter one repeats its last frame, as a clip padded up
+    to 17n + 5 does. A real-size mask goes a few frames at a time: as one float tensor a 1080p mask of 15 s
+    would take 3 GB."""
     mask = check_mask(mask, frames)
-    if mask.shape[1:] != (height, width):
-        shrink = mask.shape[1] >= height and mask.shape[2] >= width
-        mask = F.interpolate(mask[None], size=(height, width), mode="area" if shrink else "nearest-exact")[0]
-    return mask
+    out = torch.empty(mask.shape[0], height, width)
+    shrink = mask.shape[1] >= height and mask.shape[2] >= width
+    per = max(1, CHUNK_ELEMENTS // (mask.shape[1] * mask.shape[2]))
+    for i in range(0, mask.shape[0], per):
+        x = mask[i:i + per].float()
+        if mask.dtype == torch.uint8:
+            x.div_(255)
+        if x.shape[1:] != (height, width):
+            x = F.interpolate(x[None], size=(height, width), mode="area" if shrink else "nearest-exact")[0]
+        out[i:i + per] = x
+    if len(out) == 1:
+        return out.expand(frames, -1, -1)
+    return torch.cat([out, out[-1:].expand(frames - len(out), -1, -1)])
 
 
 def cell_mask(mask: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:

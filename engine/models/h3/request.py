@@ -54,7 +54,7 @@ class EditRequest:
     """Masked edit: 0 keeps the source, 1 regenerates it, fractions blend (scaled by `strength`)."""
 
     source: Source
-    mask: np.ndarray | torch.Tensor  # [H, W] or [F, H, W] in [0, 1], at the source's or the canvas' size
+    mask: np.ndarray | torch.Tensor  # [H, W] or [F, H, W] (float 0..1 or uint8 0..255), source or canvas size
     prompt: str = ""
     preset: str = "replace"  # remove | replace | repaint
     strength: float | None = None  # default from the preset
