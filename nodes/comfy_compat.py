@@ -39,6 +39,7 @@ if IN_COMFYUI:
     get_temp_directory = _fp.get_temp_directory
     get_input_directory = _fp.get_input_directory
     VideoFromComponents = InputImpl.VideoFromComponents
+    VideoFromFile = InputImpl.VideoFromFile
     VideoComponents = Types.VideoComponents
     VideoContainer = Types.VideoContainer
     VideoCodec = Types.VideoCodec
@@ -146,3 +147,48 @@ else:
             from .preview import write_mp4
 
             write_mp4(path, self._components)
+
+    class VideoFromFile:
+        """Stand-in for comfy_api's VideoFromFile (what Load Video gives): a file path or BytesIO, decoded on
+        request as ComfyUI decodes it (frames / 255 in float32, the stream's average rate)."""
+
+        def __init__(self, file):
+            self.__file = file
+
+        def get_stream_source(self):
+            if hasattr(self.__file, "seek"):
+                self.__file.seek(0)
+            return self.__file
+
+        def get_components(self) -> VideoComponents:
+            import av
+            import numpy as np
+            import torch
+
+            with av.open(self.get_stream_source(), mode="r") as container:
+                images = torch.stack([torch.from_numpy(frame.to_ndarray(format="rgb24")) / 255.0
+                                      for frame in container.decode(video=0)])
+                rate = Fraction(container.streams.video[0].average_rate)
+                container.seek(0)
+                sound = [frame.to_ndarray() for frame in container.decode(audio=0)] if container.streams.audio else []
+                audio = None
+                if sound:
+                    audio = {"waveform": torch.from_numpy(np.concatenate(sound, axis=1))[None],
+                             "sample_rate": int(container.streams.audio[0].sample_rate)}
+            return VideoComponents(images=images, frame_rate=rate, audio=audio)
+
+        def _header(self):
+            import av
+
+            with av.open(self.get_stream_source(), mode="r") as container:
+                stream = container.streams.video[0]
+                return Fraction(stream.average_rate), int(stream.frames), (stream.width, stream.height)
+
+        def get_frame_rate(self) -> Fraction:
+            return self._header()[0]
+
+        def get_frame_count(self) -> int:
+            return self._header()[1]
+
+        def get_dimensions(self) -> tuple[int, int]:
+            return self._header()[2]

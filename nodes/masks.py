@@ -14,7 +14,7 @@ import re
 
 from .client import EngineError, protocol
 from .engine_node import ENGINE_TYPE, connect, readable_error
-from .video_io import engine_module, frame_chunks, images_to_uint8, mask_batch, mask_to_uint8, video_frames
+from .video_io import engine_module, frame_chunks, images_to_uint8, mask_batch, mask_to_uint8, video_uint8
 
 MAX_SIDE = 8192
 MAX_FRAMES = 100000
@@ -353,9 +353,10 @@ async def canvas_rules(choice: str, engine) -> tuple[int, int]:
         await asyncio.sleep(0.5)
 
 
-def latent_overlay(images, fps: float, mask, strength: float, short_edge: int, max_pixels: int, grid: bool):
-    """The video as the engine sees it (24 fps, on the canvas) with every regenerated latent cell tinted red, as
-    strongly as it is regenerated. Same steps as the engine's edit: uint8 mask, prepare_clip, edit_cells."""
+def latent_overlay(frames, fps: float, mask, strength: float, short_edge: int, max_pixels: int, grid: bool):
+    """The video (uint8 frames) as the engine sees it (24 fps, on the canvas) with every regenerated latent cell
+    tinted red, as strongly as it is regenerated. Same steps as the engine's edit: uint8 mask, prepare_clip,
+    edit_cells."""
     import torch
 
     layout = engine_module("engine.models.h3.layout")
@@ -363,7 +364,6 @@ def latent_overlay(images, fps: float, mask, strength: float, short_edge: int, m
     source = engine_module("engine.models.h3.source")
     request = engine_module("engine.models.h3.request")
 
-    frames = images_to_uint8(images)
     wire_mask = mask_to_uint8(mask)  # what Masked Edit sends
     problem = protocol.mask_mismatch(wire_mask.shape, frames.shape)
     if problem:
@@ -429,7 +429,7 @@ class H3ForgeMaskPreview:
         short_edge, max_pixels = await canvas_rules(canvas, engine)
 
         def overlay():
-            images, fps = video_frames(video) if video is not None else (frames, 24.0)  # decodes a video file
-            return latent_overlay(images, float(fps), mask, strength, short_edge, max_pixels, grid)
+            pixels, fps = video_uint8(video) if video is not None else (images_to_uint8(frames), 24.0)
+            return latent_overlay(pixels, float(fps), mask, strength, short_edge, max_pixels, grid)
 
         return (await asyncio.to_thread(overlay),)

@@ -19,6 +19,7 @@ PACK_ROOT = Path(__file__).resolve().parent.parent
 # 5 ms per MB (aiohttp masks and copies it there), and the engine takes tensors up to 256 MiB.
 RAW_FRAMES_LIMIT = 32 * 2**20
 MP4_CRF = 12  # near-lossless H.264 for those
+SOURCE_FILE_LIMIT = 256 * 2**20  # the largest tensor an engine takes by default (--max-tensor-mb)
 # Whole-clip conversions go a few frames at a time: one pass over a 768p clip of 124 frames as float32 makes
 # 1.5 GB temporaries per operation and runs 4-10x slower than chunks that stay in the CPU's cache.
 CHUNK_ELEMENTS = 1 << 22
@@ -62,18 +63,48 @@ def audio_samples(audio) -> tuple:
     return waveform[:2].detach().to("cpu", torch.float32).contiguous().numpy(), int(audio["sample_rate"])
 
 
-def video_frames(video):
-    """(float frames [F, H, W, 3] 0..1, frame rate as a Fraction) of a VIDEO."""
+def loaded_file(video) -> bytes | None:
+    """The bytes of the file a VIDEO was loaded from, when the engine can take them as they are: ComfyUI's Load
+    Video gives a VideoFromFile holding nothing but its file, whose header says its frame count and rate. None for
+    any other VIDEO (frames made in the graph; a file a later ComfyUI trims or crops on load), or a file above
+    SOURCE_FILE_LIMIT. Decoding it here would take ComfyUI's single-threaded float decode (6.5 s for the shipped
+    1344x768 source of 124 frames against 1.2 s in the engine) and an MP4 re-encode."""
+    if type(video) is not comfy.VideoFromFile or set(vars(video)) != {"_VideoFromFile__file"}:
+        return None
+    source = video.get_stream_source()
+    if isinstance(source, (str, Path)):
+        if Path(source).stat().st_size > SOURCE_FILE_LIMIT:
+            return None
+        data = Path(source).read_bytes()
+    else:
+        data = source.read()
+    try:
+        info = engine_module("engine.io.video").probe_video(data)
+    except ValueError:
+        return None
+    return data if len(data) <= SOURCE_FILE_LIMIT and info.frames > 0 and info.fps > 0 else None
+
+
+def video_uint8(video):
+    """(uint8 frames [F, H, W, 3] numpy, frame rate as a Fraction) of a VIDEO: a loaded file decoded as the engine
+    decodes it (the same frames as ComfyUI's decode, in uint8 at once), else its components converted."""
+    data = loaded_file(video)
+    if data is not None:
+        frames, rate, _, _ = engine_module("engine.io.video").read_video(data)
+        return frames, Fraction(rate)
     parts = video.get_components()
-    return parts.images, Fraction(parts.frame_rate)
+    return images_to_uint8(parts.images), Fraction(parts.frame_rate)
 
 
 def source_of(video) -> tuple[dict, dict]:
     """(params, tensors) that send a VIDEO as an engine task's source, as ComfyUI decodes it (with any trim, crop
-    or rotation applied, so masks drawn on it line up): its frames and sound, raw when they are small, as a
-    near-lossless MP4 the engine decodes when they are not."""
+    or rotation applied, so masks drawn on it line up): a loaded file as it is (`loaded_file`), else its frames and
+    sound, raw when they are small, as a near-lossless MP4 the engine decodes when they are not."""
     import numpy as np
 
+    data = loaded_file(video)
+    if data is not None:
+        return {}, {"source_mp4": np.frombuffer(data, dtype=np.uint8)}
     parts = video.get_components()
     frames = images_to_uint8(parts.images)
     audio, rate = audio_samples(parts.audio)

@@ -95,6 +95,29 @@ def test_masked_edit_sends_a_big_clip_as_mp4_with_a_per_frame_mask(settings, t2v
     assert edited_frames.shape == frames.shape
 
 
+def test_a_loaded_file_goes_to_the_engine_as_it_is(tmp_path):
+    """Load Video's VIDEO (a VideoFromFile) is sent as its file's bytes, and Mask Preview decodes it as the engine
+    does: the frames ComfyUI's own decode gives. A VIDEO holding more than its file (what a later ComfyUI's trim on
+    load adds) goes the decoded way."""
+    encode = importlib.import_module("engine.io.video").encode_mp4_bytes
+    g = torch.Generator().manual_seed(4)
+    pixels = (torch.rand(30, 48, 64, 3, generator=g) * 255).to(torch.uint8).numpy()
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(encode(pixels, Fraction(30), np.zeros((2, 32000), np.float32), 32000, crf=12))
+    video = comfy.VideoFromFile(str(path))
+    params, tensors = video_io.source_of(video)
+    assert params == {} and tensors["source_mp4"].tobytes() == path.read_bytes()
+    frames, rate = video_io.video_uint8(video)
+    parts = video.get_components()  # ComfyUI's decode
+    assert rate == parts.frame_rate == Fraction(30) and frames.shape == (30, 48, 64, 3)
+    assert np.array_equal(frames, video_io.images_to_uint8(parts.images))
+
+    video._VideoFromFile__start_time = 0.5
+    assert video_io.loaded_file(video) is None
+    params, tensors = video_io.source_of(video)
+    assert params["source_fps"] == 30.0 and np.array_equal(tensors["source_frames"], frames)
+
+
 def test_masked_edit_errors_are_readable(settings, t2v):
     video = t2v[0]
     with pytest.raises(ValueError, match="H3Forge: .*mask is empty"):
@@ -284,14 +307,11 @@ def test_validate_inputs():
 
 def test_a_real_size_source_keeps_comfyuis_event_loop_responsive(settings):
     """The removal workflow's nodes on the shipped 1344x768 x 124-frame source, run the way ComfyUI runs them (one
-    event loop, Mask Preview and Masked Edit at once): a timer on that loop keeps firing on time throughout, so other
-    nodes' connection timeouts and ComfyUI's own messages are never starved."""
-    read_video = importlib.import_module("engine.io.video").read_video
-    data = (pack_checks.PACK / "workflows" / "example_inputs" / "h3_scene.mp4").read_bytes()
-    frames, fps, audio, rate = read_video(data)
-    assert frames.shape == (FRAMES, 768, 1344, 3)
-    video = video_of(torch.from_numpy(frames).float().div_(255), fps,
-                     {"waveform": torch.from_numpy(audio)[None], "sample_rate": rate})
+    event loop, Mask Preview and Masked Edit at once, the source from Load Video): a timer on that loop keeps firing
+    on time throughout, so other nodes' connection timeouts and ComfyUI's own messages are never starved. (The
+    decoded way for clips as big is test_masked_edit_sends_a_big_clip_as_mp4_with_a_per_frame_mask's.)"""
+    video = comfy.VideoFromFile(str(pack_checks.PACK / "workflows" / "example_inputs" / "h3_scene.mp4"))
+    assert video.get_dimensions() == (1344, 768) and video.get_frame_count() == FRAMES
     tick, lateness = 0.1, []
 
     async def timer(stop: asyncio.Event):
