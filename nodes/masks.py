@@ -14,7 +14,7 @@ import re
 
 from .client import EngineError, protocol
 from .engine_node import ENGINE_TYPE, connect, readable_error
-from .video_io import engine_module, frame_chunks, images_to_uint8, mask_batch, mask_to_uint8, video_uint8
+from .video_io import engine_module, frame_chunks, images_to_uint8, mask_batch, mask_to_uint8, video_media
 
 MAX_SIDE = 8192
 MAX_FRAMES = 100000
@@ -429,7 +429,7 @@ class H3ForgeMaskPreview:
         short_edge, max_pixels = await canvas_rules(canvas, engine)
 
         def overlay():
-            pixels, fps = video_uint8(video) if video is not None else (images_to_uint8(frames), 24.0)
+            pixels, fps = video_media(video)[:2] if video is not None else (images_to_uint8(frames), 24.0)
             return latent_overlay(pixels, float(fps), mask, strength, short_edge, max_pixels, grid)
 
         return (await asyncio.to_thread(overlay),)

@@ -7,7 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 from .client import protocol
-from .video_io import audio_samples, engine_module, images_to_uint8
+from .video_io import audio_samples, engine_module, images_to_uint8, video_media
 
 REFERENCES_TYPE = "H3FORGE_REFERENCES"
 REFERENCES_INPUT = (REFERENCES_TYPE, {"tooltip":
@@ -80,10 +80,10 @@ class H3ForgeReferences:
             budget = int(max_megapixels * 1e6)
             items += [{"kind": "image", "image": downscaled(image, budget)} for image in images_to_uint8(images)]
         if video is not None:
-            parts = video.get_components()
-            sound, rate = audio_samples(parts.audio) if keep_video_sound else (None, None)
-            items.append({"kind": "video", "frames": images_to_uint8(parts.images), "fps": float(parts.frame_rate),
-                          "audio": sound, "sample_rate": rate})
+            frames, fps, sound, rate = video_media(video)
+            if not keep_video_sound:
+                sound, rate = None, None
+            items.append({"kind": "video", "frames": frames, "fps": float(fps), "audio": sound, "sample_rate": rate})
         if audio is not None:
             sound, rate = audio_samples(audio)
             items.append({"kind": "audio", "audio": sound, "sample_rate": rate})

@@ -85,15 +85,16 @@ def loaded_file(video) -> bytes | None:
     return data if len(data) <= SOURCE_FILE_LIMIT and info.frames > 0 and info.fps > 0 else None
 
 
-def video_uint8(video):
-    """(uint8 frames [F, H, W, 3] numpy, frame rate as a Fraction) of a VIDEO: a loaded file decoded as the engine
-    decodes it (the same frames as ComfyUI's decode, in uint8 at once), else its components converted."""
+def video_media(video) -> tuple:
+    """(uint8 frames [F, H, W, 3] numpy, frame rate as a Fraction, float32 sound [C <= 2, S] numpy or None, its
+    sample rate or None) of a VIDEO: a loaded file decoded as the engine decodes it (the same frames as ComfyUI's
+    decode, in uint8 at once), else its components converted."""
     data = loaded_file(video)
     if data is not None:
-        frames, rate, _, _ = engine_module("engine.io.video").read_video(data)
-        return frames, Fraction(rate)
+        frames, rate, sound, sample_rate = engine_module("engine.io.video").read_video(data)
+        return frames, Fraction(rate), None if sound is None else sound[:2], sample_rate
     parts = video.get_components()
-    return images_to_uint8(parts.images), Fraction(parts.frame_rate)
+    return images_to_uint8(parts.images), Fraction(parts.frame_rate), *audio_samples(parts.audio)
 
 
 def source_of(video) -> tuple[dict, dict]:

@@ -96,21 +96,26 @@ def test_masked_edit_sends_a_big_clip_as_mp4_with_a_per_frame_mask(settings, t2v
 
 
 def test_a_loaded_file_goes_to_the_engine_as_it_is(tmp_path):
-    """Load Video's VIDEO (a VideoFromFile) is sent as its file's bytes, and Mask Preview decodes it as the engine
-    does: the frames ComfyUI's own decode gives. A VIDEO holding more than its file (what a later ComfyUI's trim on
-    load adds) goes the decoded way."""
+    """Load Video's VIDEO (a VideoFromFile) is sent as its file's bytes, and Mask Preview and References decode it
+    as the engine does: the frames and sound ComfyUI's own decode gives. A VIDEO holding more than its file (what a
+    later ComfyUI's trim on load adds) goes the decoded way."""
     encode = importlib.import_module("engine.io.video").encode_mp4_bytes
     g = torch.Generator().manual_seed(4)
     pixels = (torch.rand(30, 48, 64, 3, generator=g) * 255).to(torch.uint8).numpy()
     path = tmp_path / "clip.mp4"
-    path.write_bytes(encode(pixels, Fraction(30), np.zeros((2, 32000), np.float32), 32000, crf=12))
+    tone = 0.2 * np.sin(np.arange(32000) / 32000 * 2 * np.pi * np.array([[220.0], [330.0]])).astype(np.float32)
+    path.write_bytes(encode(pixels, Fraction(30), tone, 32000, crf=12))
     video = comfy.VideoFromFile(str(path))
     params, tensors = video_io.source_of(video)
     assert params == {} and tensors["source_mp4"].tobytes() == path.read_bytes()
-    frames, rate = video_io.video_uint8(video)
+    frames, rate, sound, sample_rate = video_io.video_media(video)
     parts = video.get_components()  # ComfyUI's decode
     assert rate == parts.frame_rate == Fraction(30) and frames.shape == (30, 48, 64, 3)
     assert np.array_equal(frames, video_io.images_to_uint8(parts.images))
+    comfy_sound, comfy_rate = video_io.audio_samples(parts.audio)  # ComfyUI's keeps the AAC frames' padding
+    assert sample_rate == comfy_rate == 32000 and sound.shape == (2, 32000)
+    assert np.array_equal(sound, comfy_sound[:, :32000])
+    assert np.abs(sound[:, 2000:30000] - tone[:, 2000:30000]).max() < 0.05  # the tone, through AAC
 
     video._VideoFromFile__start_time = 0.5
     assert video_io.loaded_file(video) is None
