@@ -1,5 +1,6 @@
-"""VIDEO, MASK and results between ComfyUI and the engine: a VIDEO as the source of an engine task (its frames and
-sound, raw or as an MP4), a MASK as uint8, a job result as VIDEO / IMAGE / AUDIO outputs.
+"""VIDEO, MASK and results between ComfyUI and the engine: a VIDEO as the source of an engine task (the file it was
+loaded from, as it is; else its frames and sound, raw or as an MP4), a MASK as uint8, a job result as VIDEO / IMAGE /
+AUDIO outputs. Whole clips are converted a few frames at a time.
 
 Torch and the engine's media code are imported when a node runs (torch is always there inside ComfyUI), never
 when the pack loads.
