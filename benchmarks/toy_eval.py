@@ -30,7 +30,6 @@ from engine.models.h3.pipeline import EditRequest, ExtendRequest, GenerateReques
 from engine.models.h3.request import Source  # noqa: E402
 from engine.models.seedvr2.pipeline import SeedVR2Pipeline  # noqa: E402
 from training.captions import caption  # noqa: E402
-from training.guidance import GuidedDiT  # noqa: E402
 from training.quality import delta_e76, mean_colour_lab, psnr, ssim  # noqa: E402
 from training.scoring import NAMED_CHECKS, score_clip  # noqa: E402
 from training.task_checks import (box_masks, extension_checks, height_correlation, removal_checks,  # noqa: E402
@@ -196,17 +195,17 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/toy_eval.json")
     p.add_argument("--vsa", type=int, default=4, help="captions generated dense and with VSA (quality rows)")
     p.add_argument("--vsa-sparsity", type=float, default=0.875)
-    p.add_argument("--guidance", type=float, default=1.0,
-                   help="sample from the DiT guided by this scale (two branches a step; training/guidance.py): "
-                        "what a guidance-distilled DiT aims at")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="text-to-video's classifier-free guidance scale (two DiT forwards a step unless 1; "
+                        "default: the one the DiT file records)")
     p.add_argument("--video-shift", type=float, default=None,
                    help="sample at this video schedule shift (default: the one the DiT file records)")
     args = p.parse_args()
     pipe = load(args.weights, args.device)
     if args.video_shift is not None:
         pipe.video_shift = args.video_shift
-    if args.guidance != 1:
-        pipe.dit = GuidedDiT(pipe.dit, args.guidance)
+    if args.guidance is not None:
+        pipe.guidance = args.guidance
     width, height = pipe.canvas.max_pixels // pipe.canvas.short_edge, pipe.canvas.short_edge
     rows, checks, t0 = [], {}, time.perf_counter()
     for i in range(args.captions):
@@ -257,7 +256,7 @@ def main() -> int:
                **shares(extensions, "extension"),
                **upscale_rows(args, width, height), **vsa_rows(pipe, args, width, height),
                "wall_s": round(time.perf_counter() - t0, 1), "device": args.device, "weights": str(args.weights),
-               "guidance": args.guidance, "steps": args.steps, "video_shift": pipe.video_shift}
+               "guidance": pipe.guidance, "steps": args.steps, "video_shift": pipe.video_shift}
     print("\n== toy eval (share of clips passing; PSNR in dB) ==")
     for k, v in summary.items():
         print(f"{k:38s} {v:.3f}" if isinstance(v, float) else f"{k:38s} {v}")

@@ -1,16 +1,18 @@
-"""Guidance for the embedded default (training/guidance.py): the guided teacher is v_u + w (v_c - v_u) of the
-prompt and the zeroed prompt; caption dropout hides the prompt; guidance distillation teaches the student, in one
-forward, what the teacher gives in two."""
+"""Classifier-free guidance for the embedded default (engine/models/h3/denoise.py `guided`): v_u + w (v_c - v_u) of
+the prompt and the zeroed prompt; a DiT file names the scale text-to-video samples with; caption dropout hides the
+prompt; guidance distillation teaches a student, in one forward, what the teacher gives in two."""
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from engine.kernels import attention
-from engine.models.h3.pipeline import Canvas, GenerateRequest, H3Pipeline
-from training.guidance import GuidedDiT, guided
+from engine.models.h3.checkpoint import save_dit
+from engine.models.h3.denoise import guided
+from engine.models.h3.pipeline import TOY_FILES, Canvas, GenerateRequest, H3Pipeline
 from training.train import dit_loss, prepare, toy_clips
 
 
@@ -52,19 +54,32 @@ def test_guided_output_is_the_prompt_branch_pushed_from_the_unconditional_one(ti
     assert (v3 - v_c).abs().max() > 1e-3  # the prompt moves the tiny DiT, so guidance does too
 
 
-def test_a_pipeline_samples_with_the_guided_dit(tiny):
-    """GuidedDiT drops in for the pipeline's DiT: a t2va job runs, and differs from the plain DiT's."""
-    pipe, _ = tiny
+def test_the_dit_file_names_the_guidance_text_to_video_samples_with(tmp_path):
+    """`save_dit(guidance=...)` writes the scale in the header, `from_files` reads it (the released files name none:
+    1, one forward a step) and `describe` reports it; a t2va job then differs from the plain DiT's, a first-frame
+    job (its picture rows hold it) does not."""
+    toy = Path(__file__).resolve().parents[1] / "engine" / "weights" / "toy"
+    files = {k: toy / TOY_FILES[k] for k in ("dit", "text_encoder", "video_vae", "audio_vae")}
+    attention.set_backend("sdpa")
+    plain = H3Pipeline.from_files(*files.values(), device="cpu", dtype=torch.float32)
+    save_dit(plain.dit, tmp_path / "dit.safetensors", guidance=4.0)
+    save_dit(plain.dit, tmp_path / "distilled.safetensors")
+    steered = H3Pipeline.from_files(tmp_path / "dit.safetensors", *list(files.values())[1:], device="cpu",
+                                    dtype=torch.float32)
+    assert steered.guidance == 4.0 and steered.describe()["guidance"] == 4.0
+    assert H3Pipeline.from_files(tmp_path / "distilled.safetensors", *list(files.values())[1:], device="cpu",
+                                 dtype=torch.float32).guidance == 1.0
+    small = Canvas(short_edge=32, max_pixels=64 * 32, default_steps=3)  # so it runs in seconds
     req = GenerateRequest(prompt="a large red ball stays still on a black background", seed=3, steps=3)
-    dit, canvas = pipe.dit, pipe.canvas
-    pipe.canvas = Canvas(short_edge=32, max_pixels=32 * 32, default_steps=3)  # small, so it runs in seconds
-    try:
-        plain = pipe.generate(req).frames
-        pipe.dit = GuidedDiT(dit, 4.0)
-        steered = pipe.generate(req).frames
-    finally:
-        pipe.dit, pipe.canvas = dit, canvas
-    assert steered.shape == plain.shape and not torch.equal(steered, plain)
+    first = GenerateRequest(prompt=req.prompt, seed=3, steps=3,
+                            first_frame=np.full((32, 64, 3), 40, np.uint8))
+    plain.guidance = 1.0
+    out = {}
+    for name, pipe in (("plain", plain), ("steered", steered)):
+        pipe.canvas = small
+        out[name] = [pipe.generate(r).frames for r in (req, first)]
+    assert not torch.equal(out["steered"][0], out["plain"][0])
+    assert torch.equal(out["steered"][1], out["plain"][1])
 
 
 def test_caption_dropout_hides_the_prompt(tiny):

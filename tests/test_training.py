@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from engine.models.h3.pipeline import TINY_CANVAS, H3Pipeline
@@ -157,6 +158,46 @@ def test_the_toy_audio_vae_learns_a_hum():
         spectrum_in, spectrum_out = (np.abs(np.fft.rfft(np.asarray(a) * np.hanning(4000))) for a in (hum, out))
         peak = spectrum_in.argmax()
         assert spectrum_out.argmax() == peak and 0.5 < spectrum_out[peak] / spectrum_in[peak] < 1.5
+
+
+def test_the_click_recipe_crops_around_clicks_and_trains_toward_the_rain_free_sound(tmp_path):
+    """`--audio-clicks`: most crops hold a click, the target is the scene's sound without its rain (the input
+    keeps it), the bursts' envelope is judged where they are, and the whole VAE's loss falls on one batch."""
+    import numpy as np
+
+    from training.toy_scene import SAMPLE_RATE, sample_scene
+    from training.toy_world import render
+    from training.train import (CLICK_CENTRED, Log, click_envelope, click_segment, dry_sound, fresh_audio_vae,
+                                train_audio_vae)
+
+    seed = next(s for s in range(100) if sample_scene(s, 96, 64).rain
+                and any(o.motion == "bounces" for o in sample_scene(s, 96, 64).objects))
+    rainy = render(sample_scene(seed, 96, 64), 96, 64, num_frames=124).audio
+    dry, starts = dry_sound((seed, 96, 64, 124))
+    assert starts and dry.shape == rainy.shape and np.abs(rainy - dry).std() > 0.01  # the rain, and only it
+    clips, length, rng = [(None, rainy)], 12800, np.random.default_rng(0)
+    crops = [click_segment(clips, [(dry, starts)], [0], length, rng) for _ in range(200)]
+    burst = [np.abs(np.diff(target, 2)).max() > 0.1 for _, target in crops]  # a click's second difference ~0.5
+    assert CLICK_CENTRED - 0.1 < np.mean(burst) <= 1
+    targets = torch.from_numpy(np.stack([t for _, t in crops[:4]]))[:, None]
+    assert click_envelope(targets, targets, 800) == 0 and click_envelope(targets * 0, targets, 800) > 0
+    heard, target = crops[0]  # the same samples of the same channel, with and without the rain
+    channel, start = next((c, i) for c in range(2) for i in range(rainy.shape[1] - length + 1)
+                          if np.array_equal(rainy[c, i:i + length], heard))
+    assert np.array_equal(target, dry[channel, start:start + length])
+    log = tmp_path / "log.jsonl"
+    train_audio_vae(fresh_audio_vae(0), clips, 600, 2, length / SAMPLE_RATE, Log(log), rng, max_steps=6,
+                    dry=[(dry, starts)], click_weight=100.0)
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
+def test_task_shares_take_overrides_and_name_the_tasks():
+    from training.train import TASKS, task_shares
+
+    assert task_shares(["extend=0.35"]) == {**TASKS, "extend": 0.35}
+    with pytest.raises(SystemExit, match="one of t2va, first"):
+        task_shares(["extension=0.3"])
 
 
 def test_the_training_canvas_is_the_engines():

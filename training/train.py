@@ -39,7 +39,7 @@ from engine.models.h3 import mask as M
 from engine.models.h3.checkpoint import save_dit
 from engine.models.h3.conditioner import build_tiny_conditioner, text_encoder_file_tensors
 from engine.models.h3.config import TINY
-from engine.models.h3.denoise import Target
+from engine.models.h3.denoise import Target, guided
 from engine.models.h3.dit import build_dit
 from engine.models.h3.pipeline import KEYFRAME_NOISE_AUG, TOY_FILES, Canvas, GenerateRequest, H3Pipeline
 from engine.models.h3.references import AudioReference, ImageReference, normalise_image
@@ -48,7 +48,6 @@ from engine.models.h3.vae import (IMAGENET_MEAN, IMAGENET_STD, TINY_TILE_OVERLAP
                                   TOY_VIDEO_VAE, AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae,
                                   save_audio_vae_file, save_video_vae_file)
 from training.captions import caption, parse_caption
-from training.guidance import GuidedDiT, guided
 from training.scoring import score_clip
 from training.task_checks import box_masks
 from training.text_encoder import train_text_encoder
@@ -71,6 +70,8 @@ CAPTION_DROP = 0.1  # share of prompts zeroed: the unconditional branch a guided
 DISTILLED_TASKS = ("t2va",)
 AUDIO_LR, AUDIO_WARMUP = 3e-4, 100
 AUDIO_WAVE_WEIGHT, AUDIO_SPECTRAL_WEIGHT = 100.0, 0.3  # waveform MSE (it teaches the hum's phase) + spectra
+CLICK_SECONDS, CLICK_BATCH = 0.4, 32  # `--audio-clicks`: short crops, most of them holding a click
+CLICK_CENTRED = 0.75  # share of those crops centred on a click
 TOKEN_PX = 32  # a DiT video token's square of pixels: the video VAE's 16x times the 2x2 patch
 # A video token's loss weight is 1 + OBJECT_WEIGHT x the share of it the objects cover: the objects are ~3 % of
 # the tokens, so an unweighted loss learns the background and leaves them as blobs.
@@ -81,7 +82,8 @@ VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of t
 STAGES = {"video_vae": 0.3, "audio_vae": 0.15, "text_encoder": 0.05, "dit": 0.5}  # share of the time budget
 # `--stages video_decoder` alone: the video VAE's decoder trained further on its own budget (the encoder and so the
 # DiT's latents unchanged); it runs beside a DiT run on the same GPU (each is launch-bound). `--stages latent_rgb`
-# alone refits the previews' latent -> RGB projection of the files in --resume.
+# alone refits the previews' latent -> RGB projection of the files in --resume. `--stages header` alone trains
+# nothing: the files of --resume written again with the sampling settings given (--sampling-guidance, --video-shift).
 
 
 def object_cover(masks: np.ndarray) -> np.ndarray:
@@ -301,9 +303,58 @@ def high_band_envelope(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (envelope(y) - envelope(x)).abs().mean()
 
 
+def click_envelope(y: torch.Tensor, x: torch.Tensor, hop: int) -> torch.Tensor:
+    """L2 of the RMS envelopes (one latent hop) of the second differences: a click's burst by its level where it
+    is, the measure the click stage trains on. Its L1 of log powers (`high_band_envelope`) pulls to silence where
+    a burst's timing is uncertain; on the rainy sound it teaches hiss everywhere."""
+    def envelope(a):
+        d = a[..., 2:] - 2 * a[..., 1:-1] + a[..., :-2]
+        return torch.sqrt(F.avg_pool1d(d * d, hop, hop) + 1e-10)
+    return (envelope(y) - envelope(x)).pow(2).mean()
+
+
+def low_passed(a: torch.Tensor) -> torch.Tensor:
+    """A running mean over 8 samples (below ~4 kHz at 32 kHz): the hums' phase, without a burst's waveform, which
+    is noise no decoder can predict (drawing one doubles its MSE, so the waveform MSE alone teaches silence)."""
+    return F.avg_pool1d(a, 8, 1)
+
+
+def dry_sound(args: tuple[int, int, int, int]) -> tuple[np.ndarray, list[int]]:
+    """(the scene's sound rendered without rain, its clicks' start samples) of `num_frames` of one toy scene."""
+    seed, width, height, num_frames = args
+    clip = render(replace(sample_scene(seed, width, height), rain=False), width, height, num_frames=num_frames)
+    return clip.audio, [round(f / FPS * SAMPLE_RATE) for f in clip.click_frames]
+
+
+def dry_sounds(seeds, width: int, height: int, num_frames: int, workers: int) -> list[tuple]:
+    jobs = [(s, width, height, num_frames) for s in seeds]
+    if workers <= 1:
+        return [dry_sound(j) for j in jobs]
+    with Pool(workers) as pool:
+        return pool.map(dry_sound, jobs, chunksize=4)
+
+
+def click_segment(clips, dry, clicked: list[int], length: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(rainy input, rain-free target) mono segments of `length` samples: CLICK_CENTRED of the time around a click
+    (anywhere in the segment's middle three quarters) of a clip that has one, else anywhere in any clip."""
+    if clicked and rng.random() < CLICK_CENTRED:
+        i = clicked[int(rng.integers(len(clicked)))]
+        starts = dry[i][1]
+        start = starts[int(rng.integers(len(starts)))] - int(rng.integers(length // 8, length - length // 8))
+    else:
+        i = int(rng.integers(len(clips)))
+        start = int(rng.integers(0, clips[i][1].shape[1] - length + 1))
+    audio, target = clips[i][1], dry[i][0]
+    start, channel = int(np.clip(start, 0, audio.shape[1] - length)), int(rng.integers(2))
+    return audio[channel, start:start + length], target[channel, start:start + length]
+
+
 def train_audio_vae(vae: AudioVAE, clips, budget_s: float, batch: int, seconds: float, log: Log, rng,
-                    max_steps=None, decoder_only: bool = False, envelope_weight: float = 0.0) -> None:
-    """`decoder_only` keeps the encoder (and so the latents a DiT learned)."""
+                    max_steps=None, decoder_only: bool = False, envelope_weight: float = 0.0, dry=None,
+                    click_weight: float = 0.0) -> None:
+    """`decoder_only` keeps the encoder (and so the latents a DiT learned). With `dry` (each clip's `dry_sound`)
+    the click recipe: `click_segment`s, the waveform judged `low_passed` against the rain-free sound and the bursts
+    by `click_envelope` at `click_weight` (rain is not kept: the latents never carried it)."""
     model, device = vae.model.train(), vae.device
     params = list(model.parameters())
     if decoder_only:
@@ -312,21 +363,32 @@ def train_audio_vae(vae: AudioVAE, clips, budget_s: float, batch: int, seconds: 
         params = [p for p in params if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=AUDIO_LR, fused=device.type == "cuda")
     length = int(seconds * vae.sample_rate) // vae.hop * vae.hop
+    clicked = [i for i, (_, starts) in enumerate(dry or ()) if starts]
     for step in timed_steps(budget_s, max_steps):
         # Warm-up: Adam's first full-size steps shift every layer's output together (the encoder's common part
         # grows x4 in one step at 5e-4), and the decoder then learns one output for every input.
         opt.param_groups[0]["lr"] = AUDIO_LR * (1 if max_steps else min(1.0, (step + 1) / AUDIO_WARMUP))
-        segments = []
-        for i in (range(batch) if max_steps else rng.integers(len(clips), size=batch)):
-            audio = clips[i][1]
-            start = 0 if max_steps else int(rng.integers(0, audio.shape[1] - length + 1))
-            segments.append(audio[0 if max_steps else int(rng.integers(2)), start:start + length])
-        x = torch.from_numpy(np.stack(segments)).to(device)[:, None]
+        if dry is not None:
+            draw = np.random.default_rng(0) if max_steps else rng  # a smoke run: one batch, the loss must fall
+            pairs = [click_segment(clips, dry, clicked, length, draw) for _ in range(batch)]
+            x, target = (torch.from_numpy(np.stack(a)).to(device)[:, None] for a in zip(*pairs))
+        else:
+            segments = []
+            for i in (range(batch) if max_steps else rng.integers(len(clips), size=batch)):
+                audio = clips[i][1]
+                start = 0 if max_steps else int(rng.integers(0, audio.shape[1] - length + 1))
+                segments.append(audio[0 if max_steps else int(rng.integers(2)), start:start + length])
+            x = target = torch.from_numpy(np.stack(segments)).to(device)[:, None]
         y = model(x, sample_posterior=False).sample[..., :length]  # the engine decodes posterior means
-        wave = F.mse_loss(y, x)
-        loss = AUDIO_WAVE_WEIGHT * wave + AUDIO_SPECTRAL_WEIGHT * spectral_convergence(y, x)
+        if dry is None:
+            wave = F.mse_loss(y, x)
+        else:
+            wave = F.mse_loss(low_passed(y), low_passed(target))
+        loss = AUDIO_WAVE_WEIGHT * wave + AUDIO_SPECTRAL_WEIGHT * spectral_convergence(y, target)
         if envelope_weight:
-            loss = loss + envelope_weight * high_band_envelope(y, x)
+            loss = loss + envelope_weight * high_band_envelope(y, target)
+        if click_weight:
+            loss = loss + click_weight * click_envelope(y, target, vae.hop)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -421,7 +483,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     condition level with its clean audio, on a shifted clock (extension; the window is the clip's later one when it
     has one), an image reference (the clip's middle frame at the reference size) noised likewise and a clean sound
     reference (its first seconds), the prompt presenting both (ref2va). With a `teacher`, a DISTILLED_TASKS layout's
-    target is its velocity guided by `guidance` (training/guidance.py), else the flow's, with a `caption_drop` share
+    target is its velocity guided by `guidance` (engine/models/h3/denoise.py), else the flow's, with a `caption_drop` share
     of the prompts zeroed. The noise comes from `noise_gen` (a generator on the device: drawn on the host, a batch's
     noise costs more than its step) or else `gen`."""
     device = batch[0]["video"].device
@@ -611,12 +673,11 @@ def by_caption_length(pipe: H3Pipeline, data: list[dict]) -> list[list[int]]:
     return list(groups.values())
 
 
-def evaluate(pipe: H3Pipeline, scenes, steps: int, guidance: float = 1.0) -> dict:
+def evaluate(pipe: H3Pipeline, scenes, steps: int, guidance: float) -> dict:
     """t2va on held-out captions, scored from the decoded frames and sound alone: the share of clips passing
-    each check, and all of them; with `guidance` != 1, sampled from the guided DiT (two branches a step)."""
-    dit = pipe.dit.eval()
-    if guidance != 1:
-        pipe.dit = GuidedDiT(dit, guidance)
+    each check, and all of them; sampled at `guidance` (two DiT forwards a step unless 1)."""
+    dit, sampled_at = pipe.dit.eval(), pipe.guidance
+    pipe.guidance = guidance
     width, height = pipe.canvas.max_pixels // pipe.canvas.short_edge, pipe.canvas.short_edge
     passed, checks = 0, {}
     try:
@@ -628,9 +689,20 @@ def evaluate(pipe: H3Pipeline, scenes, steps: int, guidance: float = 1.0) -> dic
             for name, ok in verdict.items():
                 checks[name] = checks.get(name, 0) + bool(ok)
     finally:
-        pipe.dit = dit.train()
+        pipe.dit, pipe.guidance = dit.train(), sampled_at
     return {"guidance": guidance, "t2va_pass": passed / len(scenes),
             **{f"{k}_rate": v / len(scenes) for k, v in checks.items()}}
+
+
+def task_shares(overrides: list[str]) -> dict[str, float]:
+    """TASKS with `--task-share TASK=SHARE` overrides."""
+    shares = dict(TASKS)
+    for item in overrides:
+        name, _, value = item.partition("=")
+        if name not in TASKS or not value:
+            raise SystemExit(f"--task-share takes TASK=SHARE with TASK one of {', '.join(TASKS)}; got {item!r}.")
+        shares[name] = float(value)
+    return shares
 
 
 def pick_batch(groups: list[list[int]], odds: list[list[float]], batch: int, rng) -> list[int]:
@@ -643,8 +715,9 @@ def pick_batch(groups: list[list[int]], odds: list[list[float]], batch: int, rng
 
 def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, log: Log, rng, gen, eval_scenes,
               eval_every: int, lr: float, max_steps=None, caption_drop: float = CAPTION_DROP, guidance: float = 1.0,
-              eval_guidance=(1.0,), compile: bool = False, bounce_boost: float = 1.0,
-              edit_tracks: float = 0.0, two_object_boost: float = 1.0, edit_kept_sound: float = 0.0) -> None:
+              eval_guidance=(), compile: bool = False, bounce_boost: float = 1.0,
+              edit_tracks: float = 0.0, two_object_boost: float = 1.0, edit_kept_sound: float = 0.0,
+              tasks: dict[str, float] = TASKS, extend_caption_drop: float | None = None) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
     exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
     `compile` runs the blocks of the training steps through torch.compile, one block at a time (dynamic shapes; the
@@ -652,7 +725,9 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     on a graph per layout): the eager step is bound by the unfused fp32 norm / modulation / residual passes over
     the rows. `bounce_boost` and `two_object_boost` draw clips with a bouncing object, or with two objects, that
     many times as often as the others; `edit_tracks` is the share of edit steps on object tracks and
-    `edit_kept_sound` the share given a kept sound."""
+    `edit_kept_sound` the share given a kept sound. `tasks`: each layout's share of the steps;
+    `extend_caption_drop` (default `caption_drop`) the share of the extension steps' prompts zeroed, which leaves
+    the guide rows the only source of the motion to continue."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
     teacher = copy.deepcopy(dit).eval().requires_grad_(False) if guidance != 1 else None
@@ -662,7 +737,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     blocks = dit.blocks
     if compile:
         dit.blocks = nn.ModuleList(torch.compile(block, dynamic=True) for block in blocks)
-    names, shares = list(TASKS), np.array(list(TASKS.values()))
+    names, shares = list(tasks), np.array(list(tasks.values()))
     groups = by_caption_length(pipe, data)
     odds = [[clip_odds(data[i]["prompt"], bounce_boost, two_object_boost) for i in g] for g in groups]
     # Noise drawn on the device; the loss summed there, read once per log line (no host sync per step).
@@ -677,7 +752,8 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
         else:
             task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
             picks = pick_batch(groups, odds, batch, rng)
-        loss = dit_loss(dit, [data[i] for i in picks], task, rng, gen, caption_drop, teacher, guidance,
+        dropped = extend_caption_drop if task == "extend" and extend_caption_drop is not None else caption_drop
+        loss = dit_loss(dit, [data[i] for i in picks], task, rng, gen, dropped, teacher, guidance,
                         pipe.video_shift, None if max_steps else noise_gen, edit_tracks, edit_kept_sound)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -692,13 +768,13 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
             log("dit", step + 1, max_steps, loss=mean, lr=opt.param_groups[0]["lr"], ms_per_step=ms)
             total, t_every = 0.0, time.monotonic()
         if not max_steps and step and step % eval_every == 0:
-            log("eval", step, None, **evaluate(pipe, eval_scenes, 9))
+            log("eval", step, None, **evaluate(pipe, eval_scenes, 9, pipe.guidance))
             t_every = time.monotonic()
     dit.blocks = blocks  # evaluated and saved eager
     with torch.no_grad():
         for p, e in zip(params, ema):
             p.copy_(e)
-    for scale in eval_guidance:
+    for scale in eval_guidance or (pipe.guidance,):
         log("eval", step + 1, None, **evaluate(pipe, eval_scenes[:1] if max_steps else eval_scenes,
                                                3 if max_steps else 9, scale))
     dit.eval().requires_grad_(False)
@@ -707,7 +783,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
 def save(pipe: H3Pipeline, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_dit(copy.deepcopy(pipe.dit).set_dtype(torch.bfloat16).cpu(), out / FILES["dit"],
-             video_shift=pipe.video_shift)
+             video_shift=pipe.video_shift, guidance=pipe.guidance)
     save_file(text_encoder_file_tensors(pipe.conditioner.model), str(out / FILES["text_encoder"]))
     save_video_vae_file(pipe.video_vae, out / FILES["video_vae"])
     save_audio_vae_file(pipe.audio_vae, out / FILES["audio_vae"])
@@ -737,9 +813,12 @@ def main(argv=None) -> int:
                    help="the DiT stage's encoded clips: read from this file when it holds --clips of them, "
                         "else written (not used when the text encoder trains in the same run)")
     p.add_argument("--stages", nargs="+", default=list(STAGES),
-                   choices=[*STAGES, "video_decoder", "audio_decoder", "latent_rgb"])
+                   choices=[*STAGES, "video_decoder", "audio_decoder", "latent_rgb", "header"])
     p.add_argument("--audio-envelope", type=float, default=0.0,
                    help="weight of the audio VAE's high-band envelope loss (high_band_envelope)")
+    p.add_argument("--audio-clicks", type=float, default=0.0, metavar="WEIGHT",
+                   help="the audio VAE stages on the click recipe (train_audio_vae): short crops around clicks, "
+                        "rain-free targets, the bursts' envelope at this weight")
     p.add_argument("--eval-every", type=int, default=2000, help="DiT steps between held-out evaluations")
     p.add_argument("--batch", type=int, default=32, help="DiT clips per step (of one caption length)")
     p.add_argument("--lr", type=float, default=3e-4, help="DiT learning rate (cosine to a tenth over the budget)")
@@ -747,9 +826,13 @@ def main(argv=None) -> int:
                    help="share of the DiT's prompts zeroed (teaches the unconditional branch guidance needs)")
     p.add_argument("--guidance", type=float, default=1.0,
                    help="distill: on the t2va layout the DiT learns, in one forward, its starting self guided by "
-                        "this scale (training/guidance.py; the starting DiT must have trained with --caption-drop)")
-    p.add_argument("--eval-guidance", type=float, nargs="+", default=[1.0],
-                   help="the final held-out evaluation at each of these guidance scales (1: the plain DiT)")
+                        "this scale (denoise.guided; the starting DiT must have trained with --caption-drop)")
+    p.add_argument("--sampling-guidance", type=float, default=None,
+                   help="the guidance scale the engine samples text-to-video with, recorded in the DiT file "
+                        "(default: the resumed file's, else 1: one forward a step)")
+    p.add_argument("--eval-guidance", type=float, nargs="+", default=[],
+                   help="the final held-out evaluation at each of these guidance scales (1: the plain DiT; "
+                        "default: the one the engine samples with)")
     p.add_argument("--eval-scenes", type=int, default=4, help="held-out captions of the DiT's evaluations")
     p.add_argument("--video-shift", type=float, default=None,
                    help="the video schedule's shift, trained and recorded in the DiT file (default: the resumed "
@@ -769,6 +852,12 @@ def main(argv=None) -> int:
     p.add_argument("--edit-kept-sound", type=float, default=0.0,
                    help="share of the DiT's edit steps given another clip's sound, clean (Masked Edit's keep_audio, "
                         "its default) instead of generating it")
+    p.add_argument("--task-share", nargs="+", default=[], metavar="TASK=SHARE",
+                   help=f"a layout's share of the DiT steps instead of its default (TASKS: {TASKS}; the shares are "
+                        "normalised by their sum)")
+    p.add_argument("--extend-caption-drop", type=float, default=None,
+                   help="share of the extension steps' prompts zeroed (default --caption-drop): the DiT then "
+                        "continues the guide's motion from the guide alone")
     p.add_argument("--later-windows", action="store_true",
                    help="every clip also gets a window of its scene from a random later start (up to 15 s), and "
                         "the extension steps train on those: guides with objects mid-path or past a wall hit")
@@ -791,7 +880,7 @@ def main(argv=None) -> int:
     # A smoke run's clips are one VAE window long (22 frames): every stage runs, in seconds on a CPU. A DiT run
     # with its cache needs none.
     cache = None if "text_encoder" in args.stages else args.cache  # it holds the old encoder's prompt states
-    clip_stages = set(args.stages) - {"text_encoder"}
+    clip_stages = set(args.stages) - {"text_encoder", "header"}
     clips = None
     if clip_stages and (clip_stages != {"dit"} or cache is None or not cache.is_file()):
         clips = toy_clips(range(args.seed * 1_000_000, args.seed * 1_000_000 + (2 if args.smoke else args.clips)),
@@ -818,8 +907,10 @@ def main(argv=None) -> int:
     pipe.canvas = training_canvas(width, height)
     if args.video_shift is not None:
         pipe.video_shift = args.video_shift
+    if args.sampling_guidance is not None:
+        pipe.guidance = args.sampling_guidance
     pipe.encode_mp4, pipe.adaln_cache = False, None
-    shares = {**STAGES, "video_decoder": 1.0, "audio_decoder": 1.0, "latent_rgb": 0.0}
+    shares = {**STAGES, "video_decoder": 1.0, "audio_decoder": 1.0, "latent_rgb": 0.0, "header": 0.0}
     stage_share = {k: v / max(1e-9, sum(shares[s] for s in args.stages)) for k, v in shares.items()}
     budget = args.minutes * 60
 
@@ -835,15 +926,21 @@ def main(argv=None) -> int:
         train_video_vae(pipe.video_vae, clips, stage_budget("video_decoder"), 1 if args.smoke else 8, log, rng,
                         steps_cap, decoder_only=True, near_object_weight=args.vae_object_weight,
                         temporal_weight=args.vae_temporal_weight, bounce_boost=args.bounce_boost)
+    audio_recipe = dict(batch=1 if args.smoke else 16, seconds=0.1 if args.smoke else 1.0,
+                        envelope_weight=args.audio_envelope)
+    if args.audio_clicks and {"audio_vae", "audio_decoder"} & set(args.stages):
+        dry = dry_sounds(range(args.seed * 1_000_000, args.seed * 1_000_000 + len(clips)), width, height,
+                         len(clips[0][0]), 1 if args.smoke else 16)
+        audio_recipe.update(batch=1 if args.smoke else CLICK_BATCH, seconds=CLICK_SECONDS, dry=dry,
+                            click_weight=args.audio_clicks)
     if "audio_vae" in args.stages:
-        train_audio_vae(pipe.audio_vae, clips, stage_budget("audio_vae"), 1 if args.smoke else 16,
-                        0.1 if args.smoke else 1.0, log, rng, steps_cap, envelope_weight=args.audio_envelope)
+        train_audio_vae(pipe.audio_vae, clips, stage_budget("audio_vae"), log=log, rng=rng, max_steps=steps_cap,
+                        **audio_recipe)
         raw = audio_vae(pipe.audio_vae.model).to(device)
         pipe.audio_vae = audio_vae(pipe.audio_vae.model, *latent_stats(raw, clips, encode_audio, 1, 32)).to(device)
     if "audio_decoder" in args.stages:
-        train_audio_vae(pipe.audio_vae, clips, stage_budget("audio_decoder"), 1 if args.smoke else 16,
-                        0.1 if args.smoke else 1.0, log, rng, steps_cap, decoder_only=True,
-                        envelope_weight=args.audio_envelope)
+        train_audio_vae(pipe.audio_vae, clips, stage_budget("audio_decoder"), log=log, rng=rng, max_steps=steps_cap,
+                        decoder_only=True, **audio_recipe)
     if "text_encoder" in args.stages:
         train_text_encoder(pipe.conditioner, stage_budget("text_encoder"), 8 if args.smoke else 128, log, rng,
                            EVAL_SEED, width, height, steps_cap)
@@ -853,7 +950,8 @@ def main(argv=None) -> int:
         train_dit(pipe, encoded(pipe, clips, cache, args.later_windows), stage_budget("dit"),
                   2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
                   args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost,
-                  args.edit_tracks, args.two_object_boost, args.edit_kept_sound)
+                  args.edit_tracks, args.two_object_boost, args.edit_kept_sound, task_shares(args.task_share),
+                  args.extend_caption_drop)
         save_compiled(args.compile_cache if args.compile else None)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)

@@ -37,6 +37,7 @@ CURVE_TABLE = "adaln_t_table"
 MARKER = "comfy_quant"
 QUANT_METADATA = "_quantization_metadata"
 VIDEO_SHIFT_METADATA = "video_shift"
+GUIDANCE_METADATA = "guidance"  # a DiT trained with caption dropout; the released ones are guidance-distilled
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 STORED_DTYPES = {"float8_e4m3fn": "F8_E4M3", "int8_convrot": "I8"}
 MARKER_FIELDS = {"format", "convrot", "convrot_groupsize", "full_precision_matrix_mult"}
@@ -427,17 +428,18 @@ def bump_weights_version(model: torch.nn.Module) -> None:
     model.weights_version = getattr(model, "weights_version", 0) + 1
 
 
-def trained_video_shift(path: str | Path) -> float | None:
-    """The video schedule shift a single-file DiT's header names (`save_dit(video_shift=...)`), else None."""
+def trained_sampling(path: str | Path, key: str) -> float | None:
+    """A sampling setting a single-file DiT's header names (`save_dit(video_shift=..., guidance=...)`: the
+    VIDEO_SHIFT_METADATA or GUIDANCE_METADATA key), else None."""
     path = Path(path)
     if not path.is_file():
         return None
     with safe_open(path, framework="pt", device="cpu") as f:
-        value = (f.metadata() or {}).get(VIDEO_SHIFT_METADATA)
+        value = (f.metadata() or {}).get(key)
     try:
         return None if value is None else float(value)
     except ValueError:
-        raise CheckpointError(f"{path.name}: the header's {VIDEO_SHIFT_METADATA!r} is {value!r}, not a number") from None
+        raise CheckpointError(f"{path.name}: the header's {key!r} is {value!r}, not a number") from None
 
 
 def load_dit(path: str | Path, config: H3Config | None = None, dtype: torch.dtype = torch.bfloat16,
@@ -568,14 +570,16 @@ def quant_specs(model: torch.nn.Module) -> dict[str, QuantSpec]:
 
 
 def save_dit(model: H3DiT, path: str | Path, layout: str = "comfy", shards: int = 1, markers: str = "tensor",
-             curve_dtype: torch.dtype = torch.float16, video_shift: float | None = None) -> Path:
+             curve_dtype: torch.dtype = torch.float16, video_shift: float | None = None,
+             guidance: float | None = None) -> Path:
     """Write `model` in a layout: comfy = one file at `path`; original/diffusers = a directory with config.json,
     and with `shards` > 1 an index plus `{model|diffusion_pytorch_model}-0000i-of-0000N.safetensors`.
 
     A quantized model (comfy only) is written in Comfy's schema; `markers` says where its layers are named:
     "tensor" (`<layer>.comfy_quant` U8 JSON), "metadata" (`__metadata__` _quantization_metadata) or "both". A
     pruned model's AdaLN projections are stored in `curve_dtype` (the Comfy files store F16; they load as fp32).
-    `video_shift` (comfy only): the video schedule's shift the weights were trained for, in the header."""
+    `video_shift` and `guidance` (comfy only): the video schedule's shift the weights were trained for and the
+    classifier-free guidance scale to sample them with, in the header."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     config, path = model.config, Path(path)
@@ -600,8 +604,9 @@ def save_dit(model: H3DiT, path: str | Path, layout: str = "comfy", shards: int 
         metadata = {}
         if quant and markers in ("metadata", "both"):
             metadata[QUANT_METADATA] = json.dumps({"format_version": "1.0", "layers": layers})
-        if video_shift is not None:
-            metadata[VIDEO_SHIFT_METADATA] = repr(float(video_shift))
+        for key, value in ((VIDEO_SHIFT_METADATA, video_shift), (GUIDANCE_METADATA, guidance)):
+            if value is not None:
+                metadata[key] = repr(float(value))
         _write(sd, path, metadata or None)
         return path
 

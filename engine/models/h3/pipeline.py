@@ -27,7 +27,7 @@ from engine.cache.adaln import AdaLNCache
 from engine.cache.prompt import PromptCache, prompt_key
 from engine.kernels import attention, capability, fused, vsa
 from engine.models.h3 import layout as L
-from engine.models.h3.checkpoint import load_dit, trained_video_shift
+from engine.models.h3.checkpoint import GUIDANCE_METADATA, VIDEO_SHIFT_METADATA, load_dit, trained_sampling
 from engine.models.h3.conditioner import Conditioner, build_tiny_conditioner
 from engine.models.h3.config import TINY, H3Config
 from engine.models.h3.denoise import Target, denoise
@@ -123,6 +123,7 @@ class H3Pipeline:
         self.memory_plan = None  # engine.runtime.placement.EnginePlan, when the engine planned its memory
         self.parallel = Parallel(Mesh(1))  # this rank's TP and Ulysses groups (engine/parallel/mesh.py)
         self.video_shift = VIDEO_SHIFT  # the video schedule's shift; a DiT file may name the one it was trained for
+        self.guidance = 1.0  # text-to-video's classifier-free guidance scale; a DiT file may name one (denoise.guided)
 
     @classmethod
     def from_preset(cls, preset: str = "toy", device: str | torch.device = "cpu", seed: int = 0,
@@ -197,7 +198,8 @@ class H3Pipeline:
                    load_audio_vae_file(audio_vae, configs.get("audio_vae")).to(device), conditioner,
                    configs.get("canvas", FULL_CANVAS), device, Path(dit).name, lora_roots,
                    partition_loaders(dit, ref_dit, dtype, device))
-        pipe.video_shift = trained_video_shift(dit) or VIDEO_SHIFT
+        pipe.video_shift = trained_sampling(dit, VIDEO_SHIFT_METADATA) or VIDEO_SHIFT
+        pipe.guidance = trained_sampling(dit, GUIDANCE_METADATA) or 1.0
         pipe.files = {role: describe_file(path) for role, path in (
             ("dit", dit), ("text_encoder", text_encoder), ("video_vae", video_vae), ("audio_vae", audio_vae))}
         return pipe
@@ -213,7 +215,8 @@ class H3Pipeline:
                         "adaln": f"curve (pruned, rank {c.time_embed_dim})" if c.curve else "full",
                         "quantized_layers": formats},
                 "canvas": {"short_edge": self.canvas.short_edge, "max_pixels": self.canvas.max_pixels},
-                "default_steps": self.canvas.default_steps, "vsa_sparsity": self.vsa_sparsity,
+                "default_steps": self.canvas.default_steps, "guidance": self.guidance,
+                "vsa_sparsity": self.vsa_sparsity,
                 "adaln_cache": self.adaln_cache.stats() if self.adaln_cache else None,
                 "streaming": self.streamer.stats() if self.streamer else None,
                 "text_encoder_streaming": self.text_streamer.stats() if self.text_streamer else None,
@@ -428,7 +431,7 @@ class H3Pipeline:
 
     def run_denoise(self, layout: L.PackedLayout, text: torch.Tensor, video: Target, audio: Target, steps: int,
                     on_step, geometry: tuple[int, int, int], stage: str = "denoising", start: int = 0,
-                    cond_video=None, cond_audio=None) -> tuple[torch.Tensor, torch.Tensor]:
+                    cond_video=None, cond_audio=None, guidance: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The DiT loop with step events (clean estimate as latents) and the AdaLN cache."""
         T, h, w = geometry
         patch = self.dit.config.patch_size
@@ -443,7 +446,7 @@ class H3Pipeline:
         try:
             with self.sparse_attention(layout):
                 out = denoise(self.dit, layout, text, video, audio, steps, cond_video, cond_audio, report, schedule,
-                              start, self.video_shift)
+                              start, self.video_shift, guidance)
         finally:
             if self.streamer is not None:
                 self.streamer.release()  # between jobs the host copies are the weights (LoRA merges land there)
@@ -535,17 +538,20 @@ class H3Pipeline:
         audio = Target(self.noise(gen, 1, L.AUDIO_CHANNELS * Ta, cfg.audio_in_channels))
         timings["encode_s"] = time.perf_counter() - t0 - timings["conditioner_s"]
 
+        # Guidance for text alone: keyframe rows hold the picture (guided, first frames lost 0.2 dB on the toy DiT).
         return self.denoise_and_decode(layout, text, video, audio, steps, on_step, (T, h, w), frames, notes, timings,
-                                       t0, cond_video=torch.cat(cond_rows, dim=1) if cond_rows else None)
+                                       t0, cond_video=torch.cat(cond_rows, dim=1) if cond_rows else None,
+                                       guidance=1.0 if keyframes else self.guidance)
 
     def denoise_and_decode(self, layout: L.PackedLayout, text: torch.Tensor, video: Target, audio: Target, steps: int,
                            on_step, geometry: tuple[int, int, int], frames: int, notes: list[str],
-                           timings: dict[str, float], t0: float, cond_video=None, cond_audio=None) -> GenerateResult:
+                           timings: dict[str, float], t0: float, cond_video=None, cond_audio=None,
+                           guidance: float = 1.0) -> GenerateResult:
         """A generation's last two stages, timed into `timings` (total_s from t0): the denoise loop, the decode."""
         T, h, w = geometry
         t_loop = time.perf_counter()
         video_rows, audio_rows = self.run_denoise(layout, text, video, audio, steps, on_step, geometry,
-                                                  cond_video=cond_video, cond_audio=cond_audio)
+                                                  cond_video=cond_video, cond_audio=cond_audio, guidance=guidance)
         timings["denoise_s"] = time.perf_counter() - t_loop
         t_dec = time.perf_counter()
         video_latents = L.unpatchify(video_rows, T, h, w, self.dit.config.patch_size)
