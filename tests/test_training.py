@@ -192,6 +192,25 @@ def test_the_click_recipe_crops_around_clicks_and_trains_toward_the_rain_free_so
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 
+def test_the_header_stage_records_the_sampling_guidance_and_keeps_every_tensor(tmp_path):
+    """`--stages header --sampling-guidance W` (how the committed DiT came to name 1.5) trains nothing: the four
+    files written again hold the same tensors, and the DiT's header names W for the engine."""
+    from safetensors import safe_open
+
+    from engine.models.h3.checkpoint import GUIDANCE_METADATA, trained_sampling
+
+    toy = REPO / "engine" / "weights" / "toy"
+    proc = subprocess.run([sys.executable, "-m", "training.train", "--resume", str(toy), "--stages", "header",
+                           "--sampling-guidance", "2.5", "--device", "cpu", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert trained_sampling(tmp_path / FILES["dit"], GUIDANCE_METADATA) == 2.5
+    for name in FILES.values():
+        with safe_open(toy / name, "pt") as before, safe_open(tmp_path / name, "pt") as after:
+            assert set(before.keys()) == set(after.keys()), name
+            assert all(torch.equal(before.get_tensor(k), after.get_tensor(k)) for k in before.keys()), name
+
+
 def test_task_shares_take_overrides_and_name_the_tasks():
     from training.train import TASKS, task_shares
 
