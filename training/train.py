@@ -131,12 +131,16 @@ def render_clip(args: tuple[int, int, int, float, bool]) -> tuple:
     return clip.frames, clip.audio, clip.caption, object_cover(clip.masks), object_tracks(clip.masks), window
 
 
-def toy_clips(seeds, width: int, height: int, seconds: float, workers: int, later: bool = False) -> list[tuple]:
-    jobs = [(s, width, height, seconds, later) for s in seeds]
+def rendered(work, jobs: list[tuple], workers: int) -> list:
+    """`work` over the jobs, in `workers` processes when more than one."""
     if workers <= 1:
-        return [render_clip(j) for j in jobs]
+        return [work(j) for j in jobs]
     with Pool(workers) as pool:
-        return pool.map(render_clip, jobs, chunksize=4)
+        return pool.map(work, jobs, chunksize=4)
+
+
+def toy_clips(seeds, width: int, height: int, seconds: float, workers: int, later: bool = False) -> list[tuple]:
+    return rendered(render_clip, [(s, width, height, seconds, later) for s in seeds], workers)
 
 
 class Log:
@@ -327,11 +331,7 @@ def dry_sound(args: tuple[int, int, int, int]) -> tuple[np.ndarray, list[int]]:
 
 
 def dry_sounds(seeds, width: int, height: int, num_frames: int, workers: int) -> list[tuple]:
-    jobs = [(s, width, height, num_frames) for s in seeds]
-    if workers <= 1:
-        return [dry_sound(j) for j in jobs]
-    with Pool(workers) as pool:
-        return pool.map(dry_sound, jobs, chunksize=4)
+    return rendered(dry_sound, [(s, width, height, num_frames) for s in seeds], workers)
 
 
 def click_segment(clips, dry, clicked: list[int], length: int, rng) -> tuple[np.ndarray, np.ndarray]:
