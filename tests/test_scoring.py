@@ -7,9 +7,10 @@ import pytest
 
 from training.captions import CaptionError, caption, describe
 from training.quality import delta_e76, mean_colour_lab, psnr, srgb_to_lab, ssim
-from training.scoring import ScoreInputError, score_clip
+from training.scoring import ScoreInputError, detect_clicks, score_clip
 from training.toy_scene import (
-    BACKGROUNDS, COLOURS, DIRECTIONS, FPS, SAMPLE_RATE, Scene, ToyObject, sample_scene, visible_on)
+    BACKGROUNDS, COLOURS, DIRECTIONS, FPS, PITCHES_HZ, SAMPLE_RATE, Scene, ToyObject, sample_scene, visible_on)
+from training.toy_sound import mix
 from training.toy_world import render
 
 OPPOSITE = {"moves left": "moves right", "moves right": "moves left", "moves up": "moves down",
@@ -113,6 +114,19 @@ def test_clicks_off_by_more_than_two_frames_fail(scenes):
     assert "clicks" in failed(score_clip(clip.frames, late, clip.caption))
     nearly = np.roll(clip.audio, SAMPLE_RATE // FPS, axis=1)
     assert "clicks" not in failed(score_clip(clip.frames, nearly, clip.caption))
+
+
+def test_the_detector_hears_a_knock_at_a_quarter_of_its_level_and_no_hum_or_rain():
+    """Every contact sounds the same knock (a decoder can learn its waveform); the scorer finds it hard left (the
+    quietest mono mix) at a quarter of its level, and never finds the two highest hums or the rain."""
+    n = 5 * SAMPLE_RATE
+    hums = [(PITCHES_HZ["white"], np.full(n, 0.3)), (PITCHES_HZ["purple"], np.full(n, 0.8))]
+    starts = [SAMPLE_RATE, 2 * SAMPLE_RATE + 777, 4 * SAMPLE_RATE]
+    bed = mix(hums, [], True, 0, n, SAMPLE_RATE)
+    knocks = mix(hums, [(s, 0.0) for s in starts], True, 0, n, SAMPLE_RATE) - bed
+    assert np.allclose(knocks[:, starts[0]:starts[0] + 640], knocks[:, starts[1]:starts[1] + 640], atol=1e-6)
+    assert detect_clicks(bed) == []
+    assert detect_clicks(bed + knocks / 4) == [round(s / SAMPLE_RATE * FPS) for s in starts] == [24, 49, 96]
 
 
 def test_swapped_stereo_channels_fail_pan(scenes):

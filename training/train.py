@@ -298,9 +298,9 @@ def spectral_convergence(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def high_band_envelope(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """L1 of the log power envelopes (1 ms windows) of the second differences: rain's level and a click's burst
-    are noise whose waveform no decoder can predict, but their envelope it can (waveform MSE alone teaches silence
-    there; spectral convergence alone a constant hiss on every clip)."""
+    """L1 of the log power envelopes (1 ms windows) of the second differences: rain is noise whose waveform no
+    decoder can predict, but its envelope it can (waveform MSE alone teaches silence there; spectral convergence
+    alone a constant hiss on every clip)."""
     def envelope(a):
         d = a[..., 2:] - 2 * a[..., 1:-1] + a[..., :-2]
         return torch.log(F.avg_pool1d(d * d, 32, 32) + 1e-6)
@@ -308,19 +308,13 @@ def high_band_envelope(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def click_envelope(y: torch.Tensor, x: torch.Tensor, hop: int) -> torch.Tensor:
-    """L2 of the RMS envelopes (one latent hop) of the second differences: a click's burst by its level where it
-    is, the measure the click stage trains on. Its L1 of log powers (`high_band_envelope`) pulls to silence where
-    a burst's timing is uncertain; on the rainy sound it teaches hiss everywhere."""
+    """L2 of the RMS envelopes (one latent hop) of the second differences: a knock by its level where it is, the
+    measure the click stage trains on. Its L1 of log powers (`high_band_envelope`) pulls to silence where a knock's
+    timing is uncertain; on the rainy sound it teaches hiss everywhere."""
     def envelope(a):
         d = a[..., 2:] - 2 * a[..., 1:-1] + a[..., :-2]
         return torch.sqrt(F.avg_pool1d(d * d, hop, hop) + 1e-10)
     return (envelope(y) - envelope(x)).pow(2).mean()
-
-
-def low_passed(a: torch.Tensor) -> torch.Tensor:
-    """A running mean over 8 samples (below ~4 kHz at 32 kHz): the hums' phase, without a burst's waveform, which
-    is noise no decoder can predict (drawing one doubles its MSE, so the waveform MSE alone teaches silence)."""
-    return F.avg_pool1d(a, 8, 1)
 
 
 def dry_sound(args: tuple[int, int, int, int]) -> tuple[np.ndarray, list[int]]:
@@ -353,8 +347,8 @@ def train_audio_vae(vae: AudioVAE, clips, budget_s: float, batch: int, seconds: 
                     max_steps=None, decoder_only: bool = False, envelope_weight: float = 0.0, dry=None,
                     click_weight: float = 0.0) -> None:
     """`decoder_only` keeps the encoder (and so the latents a DiT learned). With `dry` (each clip's `dry_sound`)
-    the click recipe: `click_segment`s, the waveform judged `low_passed` against the rain-free sound and the bursts
-    by `click_envelope` at `click_weight` (rain is not kept: the latents never carried it)."""
+    the click recipe: `click_segment`s, the waveform judged against the rain-free sound and the knocks by
+    `click_envelope` at `click_weight` (rain is not kept: the latents never carried it)."""
     model, device = vae.model.train(), vae.device
     params = list(model.parameters())
     if decoder_only:
@@ -380,10 +374,7 @@ def train_audio_vae(vae: AudioVAE, clips, budget_s: float, batch: int, seconds: 
                 segments.append(audio[0 if max_steps else int(rng.integers(2)), start:start + length])
             x = target = torch.from_numpy(np.stack(segments)).to(device)[:, None]
         y = model(x, sample_posterior=False).sample[..., :length]  # the engine decodes posterior means
-        if dry is None:
-            wave = F.mse_loss(y, x)
-        else:
-            wave = F.mse_loss(low_passed(y), low_passed(target))
+        wave = F.mse_loss(y, target)
         loss = AUDIO_WAVE_WEIGHT * wave + AUDIO_SPECTRAL_WEIGHT * spectral_convergence(y, target)
         if envelope_weight:
             loss = loss + envelope_weight * high_band_envelope(y, target)
