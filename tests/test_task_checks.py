@@ -69,6 +69,22 @@ def test_extension_passes_the_continued_render_and_fails_a_cut():
     assert not bad["no_jump"] and not bad["velocity"] and not bad["no_drift"], bad
 
 
+def test_extension_velocity_counts_a_drift_below_its_floor_as_still():
+    """A still object that creeps at 2 px/s after a boundary stays still (velocities agree, though 2 px/s is no
+    35 % of 0); one that sets off at 20 px/s does not."""
+    scene = Scene((ToyObject("box", "yellow", "large", "stays still", 0.5, 0.5),), "grey", True, False, 3)
+    truth = render(scene, W, H, 8.0)
+
+    def setting_off(px_per_s):
+        moving = replace(scene.objects[0], motion="moves right", speed=px_per_s / W)
+        after = render(replace(scene, objects=(moving,)), W, H, 8.0).frames
+        return np.concatenate([truth.frames[:124], after[:len(truth.frames) - 124]])
+
+    creeping = extension_checks(setting_off(2.0), truth.audio, truth, [124])
+    assert creeping["checks"]["velocity"] and creeping["measurements"]["124.0.velocity_error"] > 0.35, creeping
+    assert not extension_checks(setting_off(20.0), truth.audio, truth, [124])["checks"]["velocity"]
+
+
 def test_height_correlation_follows_the_bounce_and_not_a_still_or_late_one():
     scene = next(s for s in map(sample_scene, range(1000))
                  if len(s.objects) == 1 and s.objects[0].motion == "bounces")

@@ -120,7 +120,8 @@ def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boun
             s0, s1 = float(np.linalg.norm(v0)), float(np.linalg.norm(v1))
             error = float(np.linalg.norm(v1 - v0) / max(s0, s1, MIN_SPEED_PX_S))
             measured[f"{b}.{k}.velocity_error"] = error
-            speeds_agree.append(bool(error <= VELOCITY_TOLERANCE))
+            still = bool(np.isfinite([s0, s1]).all() and max(s0, s1) < MIN_SPEED_PX_S)
+            speeds_agree.append(still or error <= VELOCITY_TOLERANCE)
         measured[f"{b}.frame_difference"] = float(diffs[b - 1])
         jumps.append(bool(diffs[b - 1] <= JUMP_RATIO * median))
     checks["velocity"], checks["no_jump"] = all(speeds_agree), all(jumps)
