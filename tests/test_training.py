@@ -162,7 +162,7 @@ def test_the_toy_audio_vae_learns_a_hum():
 
 def test_the_click_recipe_crops_around_clicks_and_trains_toward_the_rain_free_sound(tmp_path):
     """`--audio-clicks`: most crops hold a click, the target is the scene's sound without its rain (the input
-    keeps it), the bursts' envelope is judged where they are, and the whole VAE's loss falls on one batch."""
+    keeps it), the knocks' envelope is judged where they are, and the whole VAE's loss falls on one batch."""
     import numpy as np
 
     from training.scoring import click_band
