@@ -67,6 +67,10 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
                                                    "(default: $H3FORGE_TOKEN_FILE or ~/.h3forge/token)")
     p.add_argument("--max-queue", type=int, default=32, help="jobs waiting at most (default 32)")
     p.add_argument("--max-tensor-mb", type=float, default=256, help="largest input tensor a client may send")
+    p.add_argument("--max-messages-per-s", type=float, default=protocol.Limits.max_messages_per_s,
+                   help="messages (control and tensor frames) a connection may send a second on average, in bursts "
+                        f"of up to {protocol.Limits.message_burst}; past it the connection is closed "
+                        f"(default {protocol.Limits.max_messages_per_s:g})")
     p.add_argument("--result-ttl-min", type=float, default=60, help="how long finished results are kept")
     p.add_argument("--result-cache-gb", type=float, default=4, help="memory for kept results; oldest go first")
     p.add_argument("--max-results", type=int, default=1000, help="results (and failed jobs) kept at most")
@@ -246,6 +250,7 @@ async def serve(args: argparse.Namespace, ctx, source) -> int:
     scheduler = Scheduler(lambda: JobRunner(ctx, load_pipeline(source, ctx), source), store, max_queue=args.max_queue,
                           memory_cap_bytes=None if args.memory_cap_gb is None else int(args.memory_cap_gb * 2**30))
     limits = preset_limits(protocol.Limits(max_tensor_bytes=int(args.max_tensor_mb * 2**20),
+                                           max_messages_per_s=args.max_messages_per_s,
                                            hello_timeout_s=args.client_timeout_s), source.embedded())
     service = EngineService(ctx, source, load_or_create_token(token_file), limits, scheduler, store,
                             preset_canvas(source.embedded()), max_connections=connection_cap(args.max_connections))

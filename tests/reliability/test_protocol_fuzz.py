@@ -20,7 +20,8 @@ from test_server import next_control, raw_ws
 
 from .helpers import RawWebSocket, serving
 
-ENGINE_ARGS = ["--max-tensor-mb", "1"]
+# The fuzzing keeps to the welcome's message rate: at the default 50 a second it spent ~50 s of its ~60 waiting.
+ENGINE_ARGS = ["--max-tensor-mb", "1", "--max-messages-per-s", "2000"]
 LIMITS = protocol.Limits(max_tensor_bytes=2**20)
 ERROR_CODES = {"bad_message", "bad_tensor", "too_large", "invalid_request", "unknown_job", "queue_full", "auth",
                "version"}
@@ -267,3 +268,8 @@ def test_a_real_job_succeeds_after_the_fuzzing(engine, recorder):
         result = asyncio.run(asyncio.wait_for(engine.client().run(
             "t2va", {"prompt": "after the storm", "steps": 2, "width": 64, "height": 64}), 120))
         assert result.frames.shape == (124, 64, 64, 3)
+
+
+def test_the_welcome_announces_the_operators_message_rate(wire):
+    wire.exchange()
+    assert wire.rate.rate == 0.8 * 2000
