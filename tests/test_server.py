@@ -6,6 +6,7 @@ import io
 import json
 import shutil
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -22,6 +23,7 @@ from engine.runtime.agreement import PeerFailed
 from engine.server.scheduler import describe_failure
 from engine.server.store import FinishedJob, ResultStore
 import nodes.client
+from engine_fixture import REPO
 from nodes.client import EngineClient, EngineError
 
 ENGINE_ARGS = ["--max-tensor-mb", "1"]  # small, so the oversized-frame test sends little
@@ -520,3 +522,10 @@ def test_result_store_caps_entries_expires_failures_early_and_lists_real_results
     for i in range(12):
         store.add(finished(f"r{i}", now + i))
     assert len(store) == 10 and store.get("real") is None and store.nbytes == 100  # entries cap results too
+
+
+@pytest.mark.parametrize("rate", ["0", "-5", "fast"])
+def test_serve_refuses_a_message_rate_that_is_not_above_zero(rate):
+    proc = subprocess.run([sys.executable, "-m", "engine", "serve", "--max-messages-per-s", rate], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"--max-messages-per-s: must be above 0, got {rate}" in proc.stderr, proc.stderr

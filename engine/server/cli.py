@@ -67,7 +67,7 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
                                                    "(default: $H3FORGE_TOKEN_FILE or ~/.h3forge/token)")
     p.add_argument("--max-queue", type=int, default=32, help="jobs waiting at most (default 32)")
     p.add_argument("--max-tensor-mb", type=float, default=256, help="largest input tensor a client may send")
-    p.add_argument("--max-messages-per-s", type=float, default=protocol.Limits.max_messages_per_s,
+    p.add_argument("--max-messages-per-s", type=_positive, default=protocol.Limits.max_messages_per_s,
                    help="messages (control and tensor frames) a connection may send a second on average, in bursts "
                         f"of up to {protocol.Limits.message_burst}; past it the connection is closed "
                         f"(default {protocol.Limits.max_messages_per_s:g})")
@@ -119,6 +119,16 @@ def add_serve_args(subparsers: argparse._SubParsersAction) -> None:
 FILE_ARGS = (("--dit", "diffusion_models", "the DiT: bf16, pruned, fp8_scaled or int8_convrot"),
              ("--text-encoder", "text_encoders", "the Qwen3-VL text encoder: bf16, int8_convrot or nvfp4_awq"),
              ("--video-vae", "vae", "the video VAE"), ("--audio-vae", "vae", "the audio VAE"))
+
+
+def _positive(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return number
 
 
 def _model_path(value: str) -> tuple[str, str]:
