@@ -11,7 +11,7 @@ frames: the rendered height's deviation from its mean over those frames (the mot
 Both as R^2 (1 - residual power / the deviation's power) and residual RMS in pixels, over all such latents and the
 fast ones (a step of more than 4 px inside). Prints a table and writes JSON.
 
-    python benchmarks/vae_motion.py --weights engine/weights/toy --scenes 200 --out benchmarks/results/vae_motion.json
+    python benchmarks/vae_motion.py --weights engine/weights/toy --scenes 120 --out benchmarks/results/vae_motion.json
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def scores(predicted: np.ndarray, wanted: np.ndarray) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--weights", type=Path, default=Path("engine/weights/toy"))
-    p.add_argument("--scenes", type=int, default=200, help="bouncing held-out scenes")
+    p.add_argument("--scenes", type=int, default=120, help="bouncing held-out scenes (a few seconds each on 2 CPU cores)")
     p.add_argument("--out", default="benchmarks/results/vae_motion.json")
     args = p.parse_args()
     t0 = time.perf_counter()
