@@ -90,7 +90,8 @@ def scores(predicted: np.ndarray, wanted: np.ndarray) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--weights", type=Path, default=Path("engine/weights/toy"))
-    p.add_argument("--scenes", type=int, default=120, help="bouncing held-out scenes (a few seconds each on 2 CPU cores)")
+    p.add_argument("--scenes", type=int, default=120,
+                   help="bouncing held-out scenes (a few seconds each on 2 CPU cores)")
     p.add_argument("--out", default="benchmarks/results/vae_motion.json")
     args = p.parse_args()
     t0 = time.perf_counter()
@@ -117,7 +118,8 @@ def main() -> int:
                for name, values in (("probe", probed), ("decoder", drawn))
                for part, sel in (("all", np.ones(len(wanted), bool)), ("fast", fast))}
     lost = sum(row[3] for row in held)
-    summary.update({"decoder_lost_share": lost / (lost + len(wanted)), "scenes": len(rows), "held_out_scenes": len(held), "weights": str(args.weights),
+    summary.update({"decoder_lost_share": lost / (lost + len(wanted)), "scenes": len(rows),
+                    "held_out_scenes": len(held), "weights": str(args.weights),
                     "wall_s": round(time.perf_counter() - t0, 1)})
     print("\n== the bouncer's height inside each 4-frame latent (held-out scenes) ==")
     print(f"{'':16s} {'R^2':>6s} {'residual px':>12s} {'motion px':>10s} {'latents':>8s}")

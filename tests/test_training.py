@@ -295,13 +295,10 @@ def test_motion_pixels_mark_what_changes_inside_a_latent():
     spans = M.latent_frame_spans(VAE_FRAMES)
     for a, b in spans:
         assert not (moving[a:b] & ~object_pixels(clip.frames[a:b], clip.caption).any(0)).any()  # only its path
-    def span_of(frame):
-        return next(i for i, (a, b) in enumerate(spans) if a <= frame < b)
-
-    per_span = [moving[a:b].sum() for a, b in spans]
     top = int(np.argmin(clip.centroids[0, 1:VAE_FRAMES, 1])) + 1
     contact = clip.contact_frames[0][0]
-    assert 0 < per_span[span_of(top)] < per_span[span_of(contact)], (per_span, top, contact)
+    marked = {frame: next(moving[a:b].sum() for a, b in spans if a <= frame < b) for frame in (top, contact)}
+    assert 0 < marked[top] < marked[contact], (marked, top, contact)
 
 
 def test_the_motion_weight_fits_what_moves_inside_a_latent(tmp_path):

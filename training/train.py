@@ -247,12 +247,12 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
         # A smoke run (max_steps) fits one batch, so its loss must fall; a real run draws clips and windows.
         picks = range(batch) if max_steps else rng.choice(len(clips), size=batch, p=odds / odds.sum())
         start = 0 if max_steps else int(rng.integers(0, num_frames - VAE_FRAMES + 1))
-        frames = [clips[i][0][start:start + VAE_FRAMES] for i in picks]
-        x = pixels(np.stack(frames), device)
+        frames = np.stack([clips[i][0][start:start + VAE_FRAMES] for i in picks])
+        x = pixels(frames, device)
         masks = np.stack([object_pixels(f, clips[i][2]) for f, i in zip(frames, picks)])
         weight = object_weight(masks, device, near_object_weight)
         if motion_weight:
-            moving = torch.from_numpy(motion_pixels(np.stack(frames))).to(device)
+            moving = torch.from_numpy(motion_pixels(frames)).to(device)
             weight = weight + motion_weight * moving[:, None].float()
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
             with torch.set_grad_enabled(not decoder_only):
