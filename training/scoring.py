@@ -293,6 +293,13 @@ def _matched(frames_a: list[int], frames_b: list[int]) -> bool:
     return all(any(abs(a - b) <= CLICK_TOLERANCE_FRAMES for b in frames_b) for a in frames_a)
 
 
+def clicks_agree(contacts: list[int], clicks: list[int], num_frames: int) -> bool:
+    """Every contact has a click within CLICK_TOLERANCE_FRAMES and every click a contact; a turn needs frames on
+    both sides, so a click in the first or last REVERSAL_FRAMES need not show one."""
+    judged = [f for f in clicks if REVERSAL_FRAMES <= f < num_frames - REVERSAL_FRAMES]
+    return bool(clicks) and _matched(contacts, clicks) and _matched(judged, contacts)
+
+
 def score_clip(frames, audio, caption_or_scene: str | SceneDescription | Scene, sample_rate: int = SAMPLE_RATE,
                fps: float = FPS) -> dict[str, dict]:
     """{"checks": name -> bool, "measurements": name -> number, "detected": name -> what was found}.
@@ -361,10 +368,8 @@ def score_clip(frames, audio, caption_or_scene: str | SceneDescription | Scene, 
     found = sorted(f for c in contacts for f in c[0] + c[1])
     detected["clicks"] = clicks
     measured["clicks"], measured["contacts"] = len(clicks), len(found)
-    # A turn needs frames on both sides: a click in the first or last REVERSAL_FRAMES need not show one.
-    judged = [f for f in clicks if REVERSAL_FRAMES <= f < num_frames - REVERSAL_FRAMES]
     if clicks or found or any(o.motion == "bounces" for o in description.objects):
-        checks["clicks"] = bool(clicks) and _matched(found, clicks) and _matched(judged, found)
+        checks["clicks"] = clicks_agree(found, clicks, num_frames)
 
     measured["rain_level"] = rain_level(audio)
     checks["rain"] = (measured["rain_level"] >= RAIN_LEVEL) == description.rain
