@@ -42,6 +42,17 @@ WIDTH, HEIGHT, CELL = 224, 128, 16
 FAST_STEP_PX = 4.0
 
 
+def scene_tracks(frames: np.ndarray, scene) -> list:
+    """Each of the scene's objects tracked by its colour, as the scorer tracks it."""
+    labels = colour_labels(frames)
+    return [track_colour(labels, o.colour) for o in scene.objects]
+
+
+def contacts(tracks: list) -> list[int]:
+    """Every floor bounce and wall hit the scorer finds on these tracks."""
+    return sorted(f for t in tracks for part in contact_frames(t, WIDTH, HEIGHT) for f in part)
+
+
 def latent_rows(vae, scene) -> tuple[list, list, list, int, bool]:
     """For the scene's first bouncer: (probe features, rendered deviations [4], decoded deviations [4]) of each
     4-frame latent where it is seen in all four frames of the render and of the round trip, the number of
@@ -53,10 +64,8 @@ def latent_rows(vae, scene) -> tuple[list, list, list, int, bool]:
         z = vae.encode_frames(torch.from_numpy(truth.frames))
         decoded = vae.decode(z).cpu().numpy()[:len(truth.frames)]
     z = z[0].cpu().numpy()
-    labels = colour_labels(decoded)
-    tracks = [track_colour(labels, o.colour) for o in scene.objects]
-    contacts = sorted(f for t in tracks for part in contact_frames(t, WIDTH, HEIGHT) for f in part)
-    agree = clicks_agree(contacts, list(truth.click_frames), len(decoded))
+    tracks = scene_tracks(decoded, scene)
+    agree = clicks_agree(contacts(tracks), list(truth.click_frames), len(decoded))
     rendered_y = truth.centroids[k, :, 1]
     decoded_y = tracks[k].y
     features, wanted, drawn, lost = [], [], [], 0

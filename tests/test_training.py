@@ -559,7 +559,7 @@ def test_edit_steps_with_kept_sound_give_the_dit_another_clips_sound_as_a_masked
 def test_audio_only_steps_change_the_sound_weights_alone():
     """`--dit-audio-only`: a few steps lower the loss and change the audio projections and the audio rows of every
     AdaLN projection; every other weight (what the pictures and the edits read) comes out bit for bit as it went in,
-    in the bf16 file too."""
+    and the DiT still copies (as `save` does) with the masks on its weights."""
     import copy
 
     from engine.kernels import attention

@@ -6,9 +6,9 @@ contact at frame 17 where the render bounces at 19, 48, 76 and 105), the render'
 
 import numpy as np
 
-from benchmarks.vae_motion import HEIGHT, WIDTH, latent_rows, scores
+from benchmarks.vae_motion import HEIGHT, WIDTH, contacts, latent_rows, scene_tracks, scores
 from engine.models.h3.vae import load_video_vae_file
-from training.scoring import clicks_agree, colour_labels, contact_frames, track_colour
+from training.scoring import clicks_agree
 from training.toy_scene import sample_scene
 from training.toy_world import render
 from training.train import EVAL_SEED, FILES
@@ -30,7 +30,4 @@ def test_a_bouncers_motion_inside_each_latent_is_measured_from_the_render_and_th
     assert scores(wanted, wanted)["r2"] == 1.0
     assert agree is False
     truth = render(scene, WIDTH, HEIGHT)
-    labels = colour_labels(truth.frames)
-    contacts = sorted(f for o in scene.objects for part in contact_frames(track_colour(labels, o.colour), WIDTH, HEIGHT)
-                      for f in part)
-    assert clicks_agree(contacts, list(truth.click_frames), len(truth.frames))
+    assert clicks_agree(contacts(scene_tracks(truth.frames, scene)), list(truth.click_frames), len(truth.frames))
