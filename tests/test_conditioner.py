@@ -13,7 +13,7 @@ PROMPT = "A red fox trots through fresh snow; wind hisses, a crow calls."
 
 @pytest.fixture(scope="module")
 def conditioner():
-    return build_tiny_conditioner()
+    return build_tiny_conditioner(final_norm=False)  # the release's reading (diffusers' and a models folder's)
 
 
 def keyframe(seed, height=128, width=224):
@@ -29,9 +29,9 @@ def test_t2va_shape_tags_determinism(conditioner):
     assert hidden.shape == (1, len(prompt_ids(PROMPT)), TINY.text_dim)
     assert hidden.dtype == torch.float32
     assert tags.dtype == torch.long and torch.all(tags == TEXT_TAG)
-    again, _ = build_tiny_conditioner(seed=0).encode(PROMPT)
+    again, _ = build_tiny_conditioner(seed=0, final_norm=False).encode(PROMPT)
     assert torch.equal(hidden, again)
-    other, _ = build_tiny_conditioner(seed=1).encode(PROMPT)
+    other, _ = build_tiny_conditioner(seed=1, final_norm=False).encode(PROMPT)
     assert not torch.allclose(hidden, other)
     shifted, _ = conditioner.encode(PROMPT.replace("fox", "cat"))
     assert not torch.allclose(hidden, shifted)
@@ -58,9 +58,14 @@ def test_fl2va_presentation(conditioner, num_keyframes):
     assert not torch.allclose(hidden[0, -5:], other[0, -5:])
 
 
+@pytest.mark.parametrize("final_norm", [False, True])
 @pytest.mark.parametrize("num_keyframes", [0, 2])
-def test_hidden_equals_full_forward_hidden_state(conditioner, num_keyframes):
-    """Truncated stack == hidden_states[layer] of the untruncated model's full forward (pre final norm)."""
+def test_hidden_equals_full_forward_hidden_state(num_keyframes, final_norm):
+    """Truncated stack == hidden_states[layer] of the untruncated model's full forward: the residual (pre final
+    norm) as the release reads it, or that RMS-normalised as the embedded default reads it, whatever transformers
+    records as the truncated stack's last hidden state (5.17: after its final norm)."""
+    conditioner = Conditioner(build_tiny_qwen3vl(seed=0), build_tiny_tokenizer(), build_tiny_image_processor(),
+                              layer=TINY_LAYER, final_norm=final_norm)
     images = [keyframe(i) for i in range(num_keyframes)]
     hidden, tags = conditioner.encode(PROMPT, images)
 
@@ -78,7 +83,9 @@ def test_hidden_equals_full_forward_hidden_state(conditioner, num_keyframes):
         out = full(input_ids=ids, mm_token_type_ids=(ids == full.config.image_token_id).long(),
                    output_hidden_states=True, use_cache=False, **vision)
     assert len(out.hidden_states) == full.config.text_config.num_hidden_layers + 1 > TINY_LAYER + 1
-    torch.testing.assert_close(hidden, out.hidden_states[TINY_LAYER], rtol=1e-5, atol=1e-6)
+    residual = out.hidden_states[TINY_LAYER]
+    expected = torch.nn.functional.rms_norm(residual, residual.shape[-1:], eps=1e-6) if final_norm else residual
+    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(hidden, out.hidden_states[-1])
     assert len(conditioner.model.model.language_model.layers) == TINY_LAYER
 

@@ -38,7 +38,7 @@ from engine.models.h3 import layout as L
 from engine.models.h3 import mask as M
 from engine.models.h3.checkpoint import save_dit
 from engine.models.h3.conditioner import build_tiny_conditioner, text_encoder_file_tensors
-from engine.models.h3.config import AUDIO_TAG, NUM_MODALITIES, TINY
+from engine.models.h3.config import TINY
 from engine.models.h3.denoise import Target, guided
 from engine.models.h3.dit import build_dit
 from engine.models.h3.pipeline import KEYFRAME_NOISE_AUG, TOY_FILES, Canvas, GenerateRequest, H3Pipeline
@@ -481,7 +481,7 @@ def extension_rows(T: int, rng) -> tuple[int, int, float]:
 def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, caption_drop: float = 0.0,
              teacher=None, guidance: float = 1.0, video_shift: float = VIDEO_SHIFT,
              noise_gen: torch.Generator | None = None, edit_tracks: float = 0.0,
-             edit_kept_sound: float = 0.0) -> torch.Tensor:
+             edit_kept_sound: float = 0.0, keep_video: bool = False) -> torch.Tensor:
     """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
@@ -492,8 +492,9 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     has one), an image reference (the clip's middle frame at the reference size) noised likewise and a clean sound
     reference (its first seconds), the prompt presenting both (ref2va). With a `teacher`, a DISTILLED_TASKS layout's
     target is its velocity guided by `guidance` (engine/models/h3/denoise.py), else the flow's, with a `caption_drop` share
-    of the prompts zeroed. The noise comes from `noise_gen` (a generator on the device: drawn on the host, a batch's
-    noise costs more than its step) or else `gen`."""
+    of the prompts zeroed; `keep_video`: the video rows' target is the `teacher`'s own velocity on the same rows.
+    The noise comes from `noise_gen` (a generator on the device: drawn on the host, a batch's noise costs more than
+    its step) or else `gen`."""
     device = batch[0]["video"].device
     clips = [b.get("later", b) for b in batch] if task == "extend" else batch
     x0v = L.patchify(torch.stack([b["video"] for b in clips]))
@@ -554,10 +555,13 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     video, audio = torch.cat([cond_v, xv], dim=1), torch.cat([cond_a, xa], dim=1)
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
     # flow matching; the dropped captions teach the unconditional branch
-    if teacher is None or task not in DISTILLED_TASKS:
+    if teacher is None or task not in DISTILLED_TASKS or keep_video:
         kept = (torch.rand(len(batch), generator=gen) >= caption_drop).to(device, text.dtype)
         text = text * kept[:, None, None]
         target_v, target_a = x0v - ev, x0a - ea
+        if keep_video:
+            with torch.no_grad(), autocast:
+                target_v = teacher(video, audio, text, *rows)[0][:, cond_v.shape[1]:].float()
     else:  # guidance distillation: the teacher's guided velocity in one forward
         with torch.no_grad(), autocast:
             target_v, target_a = guided(teacher, guidance, video, audio, text, *rows)
@@ -721,32 +725,12 @@ def pick_batch(groups: list[list[int]], odds: list[list[float]], batch: int, rng
     return [groups[g][int(i)] for i in rng.choice(len(groups[g]), size=batch, p=np.array(odds[g]) / sums[g])]
 
 
-def audio_weights(dit: nn.Module) -> list[nn.Parameter]:
-    """Freeze the DiT but for the weights only its audio rows use: the audio patch and output projections and the
-    audio rows of every block's AdaLN projection (their gradient masked to those rows). A run on them relearns the
-    sound while the pictures (what the edits and the named checks judge) hardly move: a video row sees the change
-    only through the audio rows it attends to. The DiTs trained whole on new audio latents drew knocks but lost a
-    removal (stop 54)."""
-    dit.requires_grad_(False)
-    params = [*dit.audio_patch_proj.requires_grad_(True).parameters(),
-              *dit.final_layer.audio_out.requires_grad_(True).parameters()]
-    rows = 6 * dit.config.hidden_size  # one modality's six tables (AdaLNProjection)
-    for block in dit.blocks:
-        linear = block.adaln_proj.linear.requires_grad_(True)
-        audio = torch.zeros(NUM_MODALITIES * rows, device=linear.bias.device)
-        audio[AUDIO_TAG * rows:(AUDIO_TAG + 1) * rows] = 1
-        linear.weight.register_hook(lambda grad, audio=audio: grad * audio[:, None])
-        linear.bias.register_hook(lambda grad, audio=audio: grad * audio)
-        params += [linear.weight, linear.bias]
-    return params
-
-
 def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, log: Log, rng, gen, eval_scenes,
               eval_every: int, lr: float, max_steps=None, caption_drop: float = CAPTION_DROP, guidance: float = 1.0,
               eval_guidance=(), compile: bool = False, bounce_boost: float = 1.0,
               edit_tracks: float = 0.0, two_object_boost: float = 1.0, edit_kept_sound: float = 0.0,
               tasks: dict[str, float] = TASKS, extend_caption_drop: float | None = None,
-              audio_only: bool = False) -> None:
+              keep_video: bool = False) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
     exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
     `compile` runs the blocks of the training steps through torch.compile, one block at a time (dynamic shapes; the
@@ -756,18 +740,23 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     many times as often as the others; `edit_tracks` is the share of edit steps on object tracks and
     `edit_kept_sound` the share given a kept sound. `tasks`: each layout's share of the steps;
     `extend_caption_drop` (default `caption_drop`) the share of the extension steps' prompts zeroed, which leaves
-    the guide rows the only source of the motion to continue. `audio_only` trains `audio_weights` alone (no weight
-    decay: it would shrink the masked rows too)."""
+    the guide rows the only source of the motion to continue. `keep_video`: the video rows learn the DiT as it
+    starts (frozen) instead of the data, so the pictures and the edits stay while the sound is relearned, its timing
+    through the attention the audio rows share with the video's (stop 56: the audio rows' own weights alone, with
+    that attention frozen, drew no knock in 778 steps and still lost a removal)."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
-    teacher = copy.deepcopy(dit).eval().requires_grad_(False) if guidance != 1 else None
-    params = audio_weights(dit) if audio_only else list(dit.parameters())
+    if keep_video and guidance != 1:
+        raise SystemExit("--dit-keep-video distils the video from the starting DiT; it does not go with --guidance.")
+    teacher = copy.deepcopy(dit).eval().requires_grad_(False) if guidance != 1 or keep_video else None
+    params = list(dit.parameters())
     ema = [p.detach().clone() for p in params]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0 if audio_only else 0.01,
-                            fused=pipe.device.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=pipe.device.type == "cuda")
     blocks = dit.blocks
     if compile:
         dit.blocks = nn.ModuleList(torch.compile(block, dynamic=True) for block in blocks)
+        if teacher is not None:
+            teacher.blocks = nn.ModuleList(torch.compile(block, dynamic=True) for block in teacher.blocks)
     names, shares = list(tasks), np.array(list(tasks.values()))
     groups = by_caption_length(pipe, data)
     odds = [[clip_odds(data[i]["prompt"], bounce_boost, two_object_boost) for i in g] for g in groups]
@@ -785,7 +774,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
             picks = pick_batch(groups, odds, batch, rng)
         dropped = extend_caption_drop if task == "extend" and extend_caption_drop is not None else caption_drop
         loss = dit_loss(dit, [data[i] for i in picks], task, rng, gen, dropped, teacher, guidance,
-                        pipe.video_shift, None if max_steps else noise_gen, edit_tracks, edit_kept_sound)
+                        pipe.video_shift, None if max_steps else noise_gen, edit_tracks, edit_kept_sound, keep_video)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -889,9 +878,9 @@ def main(argv=None) -> int:
     p.add_argument("--extend-caption-drop", type=float, default=None,
                    help="share of the extension steps' prompts zeroed (default --caption-drop): the DiT then "
                         "continues the guide's motion from the guide alone")
-    p.add_argument("--dit-audio-only", action="store_true",
-                   help="the DiT stage trains only the weights its audio rows alone use (audio_weights): the sound "
-                        "relearned, the pictures kept")
+    p.add_argument("--dit-keep-video", action="store_true",
+                   help="the DiT stage trains every weight, the video rows on the starting DiT's own prediction: the "
+                        "sound relearned, the pictures and edits kept")
     p.add_argument("--later-windows", action="store_true",
                    help="every clip also gets a window of its scene from a random later start (up to 15 s), and "
                         "the extension steps train on those: guides with objects mid-path or past a wall hit")
@@ -988,7 +977,7 @@ def main(argv=None) -> int:
                   2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
                   args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost,
                   args.edit_tracks, args.two_object_boost, args.edit_kept_sound, task_shares(args.task_share),
-                  args.extend_caption_drop, args.dit_audio_only)
+                  args.extend_caption_drop, args.dit_keep_video)
         save_compiled(args.compile_cache if args.compile else None)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)

@@ -2,10 +2,11 @@
 
 `Conditioner.encode` builds the presentation (t2va: the prompt alone; fl2va: `"<Picture i>: "` plus a vision block
 per keyframe, then the prompt), runs Qwen3-VL up to decoder layer `layer` and returns `hidden_states[layer]` (the
-unnormalised residual) with the per-token modality tags the DiT's AdaLN reads. `Conditioner.encode_references` does
-the same for ref2va: a label per reference in order, numbered per kind (`"<Picture i>: "` + a vision block;
-`"<Audio j>: "` alone; `"<Video k>: "` + a `"<t seconds>"` label and a vision block per merged pair of the frames read
-at 2 fps), then the prompt; it equals diffusers' `MiniMaxH3Ref2VATextEncoderStep`.
+unnormalised residual; the embedded default's normalised, see `Conditioner`) with the per-token modality tags the
+DiT's AdaLN reads. `Conditioner.encode_references` does the same for ref2va: a label per reference in order,
+numbered per kind (`"<Picture i>: "` + a vision block; `"<Audio j>: "` alone; `"<Video k>: "` + a `"<t seconds>"`
+label and a vision block per merged pair of the frames read at 2 fps), then the prompt; it equals diffusers'
+`MiniMaxH3Ref2VATextEncoderStep`.
 
 Weights come from a models folder (`text_encoder/`, transformers layout) or from a Comfy-Org single file
 `qwen3vl_32b_minimax_h3_{bf16,int8_convrot,nvfp4_awq}.safetensors` (notes/h3_quantized_files.md §3, §5): flat
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoImageProcessor, AutoTokenizer, PreTrainedTokenizerFast, Qwen3VLConfig,
                           Qwen3VLForConditionalGeneration)
@@ -55,15 +58,18 @@ class Conditioner:
     with Qwen3-VL's video pixel budget (`video_processor_like`)."""
 
     def __init__(self, model: Qwen3VLForConditionalGeneration, tokenizer, image_processor, layer: int = REAL_LAYER,
-                 max_prompt_tokens: int = MAX_PROMPT_TOKENS, video_processor=None):
+                 max_prompt_tokens: int = MAX_PROMPT_TOKENS, video_processor=None, final_norm: bool = False):
         lm = model.model.language_model
         if len(lm.layers) < layer:
             raise ValueError(f"The conditioner needs at least {layer} decoder layers, the model has {len(lm.layers)}.")
         del lm.layers[layer:]
         lm.config.num_hidden_layers = layer
-        # The last recorded hidden state is replaced by the final-norm output unless told otherwise; we want the
-        # residual after layer `layer`, which is now the last one.
-        lm.config.tie_last_hidden_states = False
+        # We want the residual after layer `layer`, now the last one. transformers releases differ on whether the
+        # last recorded hidden state has passed the final norm (5.17: it has; 5.25: not), so the norm goes and
+        # `final_norm` says whether to apply one (weightless, as the file holds none) ourselves: the embedded
+        # default's text encoder and DiT were trained on 5.17's normalised states, the release reads the residual.
+        lm.norm = nn.Identity()
+        self.final_norm = final_norm
         model.lm_head = None
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -139,7 +145,7 @@ class Conditioner:
             tokenizer, image_processor = load_tokenizer(tokenizer_dir), load_image_processor(tokenizer_dir)
             video_processor = load_video_processor(tokenizer_dir)
         model = load_text_encoder_file(path, config, dtype, device)
-        return cls(model, tokenizer, image_processor, layer, max_prompt_tokens, video_processor)
+        return cls(model, tokenizer, image_processor, layer, max_prompt_tokens, video_processor, final_norm=bool(tiny))
 
     @property
     def hidden_size(self) -> int:
@@ -281,7 +287,10 @@ class Conditioner:
         out = self.model.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                mm_token_type_ids=mm_token_type_ids, use_cache=False,
                                output_hidden_states=self.layer, **vision)
-        return out.hidden_states[self.layer], torch.tensor(tags, dtype=torch.long)
+        hidden = out.hidden_states[self.layer]
+        if self.final_norm:
+            hidden = F.rms_norm(hidden, hidden.shape[-1:], eps=self.model.config.text_config.rms_norm_eps)
+        return hidden, torch.tensor(tags, dtype=torch.long)
 
     def _prompt_ids(self, prompt: str) -> list[int]:
         if not prompt or not prompt.strip():
@@ -577,6 +586,8 @@ def build_tiny_qwen3vl(seed: int = 0, hidden_size: int = 32) -> Qwen3VLForCondit
         return Qwen3VLForConditionalGeneration(tiny_qwen3vl_config(hidden_size)).eval()
 
 
-def build_tiny_conditioner(seed: int = 0, hidden_size: int = 32) -> Conditioner:
+def build_tiny_conditioner(seed: int = 0, hidden_size: int = 32, final_norm: bool = True) -> Conditioner:
+    """The embedded default's conditioner (normalised states) with weights drawn from `seed`; `final_norm=False`
+    reads the residual as the release does."""
     return Conditioner(build_tiny_qwen3vl(seed, hidden_size), build_tiny_tokenizer(), build_tiny_image_processor(),
-                       layer=TINY_LAYER, video_processor=build_tiny_video_processor())
+                       layer=TINY_LAYER, video_processor=build_tiny_video_processor(), final_norm=final_norm)
