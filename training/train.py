@@ -481,7 +481,7 @@ def extension_rows(T: int, rng) -> tuple[int, int, float]:
 def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, caption_drop: float = 0.0,
              teacher=None, guidance: float = 1.0, video_shift: float = VIDEO_SHIFT,
              noise_gen: torch.Generator | None = None, edit_tracks: float = 0.0,
-             edit_kept_sound: float = 0.0, keep_video: bool = False) -> torch.Tensor:
+             edit_kept_sound: float = 0.0, keep: tuple[str, ...] = ()) -> torch.Tensor:
     """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
@@ -492,7 +492,8 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     has one), an image reference (the clip's middle frame at the reference size) noised likewise and a clean sound
     reference (its first seconds), the prompt presenting both (ref2va). With a `teacher`, a DISTILLED_TASKS layout's
     target is its velocity guided by `guidance` (engine/models/h3/denoise.py), else the flow's, with a `caption_drop` share
-    of the prompts zeroed; `keep_video`: the video rows' target is the `teacher`'s own velocity on the same rows.
+    of the prompts zeroed; `keep` ("video", "audio"): those rows' target is the `teacher`'s own velocity on the same
+    rows.
     The noise comes from `noise_gen` (a generator on the device: drawn on the host, a batch's noise costs more than
     its step) or else `gen`."""
     device = batch[0]["video"].device
@@ -555,13 +556,17 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     video, audio = torch.cat([cond_v, xv], dim=1), torch.cat([cond_a, xa], dim=1)
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
     # flow matching; the dropped captions teach the unconditional branch
-    if teacher is None or task not in DISTILLED_TASKS or keep_video:
+    if teacher is None or task not in DISTILLED_TASKS or keep:
         kept = (torch.rand(len(batch), generator=gen) >= caption_drop).to(device, text.dtype)
         text = text * kept[:, None, None]
         target_v, target_a = x0v - ev, x0a - ea
-        if keep_video:
+        if keep:
             with torch.no_grad(), autocast:
-                target_v = teacher(video, audio, text, *rows)[0][:, cond_v.shape[1]:].float()
+                own_v, own_a = teacher(video, audio, text, *rows)
+            if "video" in keep:
+                target_v = own_v[:, cond_v.shape[1]:].float()
+            if "audio" in keep:
+                target_a = own_a[:, cond_a.shape[1]:].float()
     else:  # guidance distillation: the teacher's guided velocity in one forward
         with torch.no_grad(), autocast:
             target_v, target_a = guided(teacher, guidance, video, audio, text, *rows)
@@ -730,7 +735,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
               eval_guidance=(), compile: bool = False, bounce_boost: float = 1.0,
               edit_tracks: float = 0.0, two_object_boost: float = 1.0, edit_kept_sound: float = 0.0,
               tasks: dict[str, float] = TASKS, extend_caption_drop: float | None = None,
-              keep_video: bool = False) -> None:
+              keep_video: bool = False, data_tasks: tuple[str, ...] | None = None) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
     exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
     `compile` runs the blocks of the training steps through torch.compile, one block at a time (dynamic shapes; the
@@ -743,12 +748,18 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     the guide rows the only source of the motion to continue. `keep_video`: the video rows learn the DiT as it
     starts (frozen) instead of the data, so the pictures and the edits stay while the sound is relearned, its timing
     through the attention the audio rows share with the video's (stop 56: the audio rows' own weights alone, with
-    that attention frozen, drew no knock in 778 steps and still lost a removal)."""
+    that attention frozen, drew no knock in 778 steps and still lost a removal). `data_tasks`: only these layouts
+    learn from the data, every other one the DiT as it starts (both rows), so what those do stays while these are
+    taught."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
-    if keep_video and guidance != 1:
-        raise SystemExit("--dit-keep-video distils the video from the starting DiT; it does not go with --guidance.")
-    teacher = copy.deepcopy(dit).eval().requires_grad_(False) if guidance != 1 or keep_video else None
+    kept_by_teacher = keep_video or data_tasks is not None
+    if kept_by_teacher and guidance != 1:
+        raise SystemExit("--dit-keep-video and --dit-data-tasks learn from the starting DiT unguided; they do not go "
+                         "with --guidance.")
+    if keep_video and data_tasks is not None:
+        raise SystemExit("--dit-keep-video and --dit-data-tasks keep different rows; choose one.")
+    teacher = copy.deepcopy(dit).eval().requires_grad_(False) if guidance != 1 or kept_by_teacher else None
     params = list(dit.parameters())
     ema = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=pipe.device.type == "cuda")
@@ -767,14 +778,16 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     for step in timed_steps(budget_s, max_steps):
         done = min(1.0, (time.monotonic() - t0) / budget_s)  # cosine over the time budget, down to a tenth
         opt.param_groups[0]["lr"] = lr * (0.55 + 0.45 * np.cos(np.pi * done))
-        if max_steps:  # one batch, one layout, one noise draw: the loss must fall
-            task, picks, gen = "t2va", groups[0][:batch], torch.Generator().manual_seed(0)
+        if max_steps:  # one batch, one layout (one that learns the data), one noise draw: the loss must fall
+            task, picks, gen = (data_tasks or ("t2va",))[0], groups[0][:batch], torch.Generator().manual_seed(0)
+            step_rng = np.random.default_rng(0)
         else:
             task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
-            picks = pick_batch(groups, odds, batch, rng)
+            picks, step_rng = pick_batch(groups, odds, batch, rng), rng
         dropped = extend_caption_drop if task == "extend" and extend_caption_drop is not None else caption_drop
-        loss = dit_loss(dit, [data[i] for i in picks], task, rng, gen, dropped, teacher, guidance,
-                        pipe.video_shift, None if max_steps else noise_gen, edit_tracks, edit_kept_sound, keep_video)
+        keep = ("video",) if keep_video else ("video", "audio") if data_tasks and task not in data_tasks else ()
+        loss = dit_loss(dit, [data[i] for i in picks], task, step_rng, gen, dropped, teacher, guidance,
+                        pipe.video_shift, None if max_steps else noise_gen, edit_tracks, edit_kept_sound, keep)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -881,6 +894,9 @@ def main(argv=None) -> int:
     p.add_argument("--dit-keep-video", action="store_true",
                    help="the DiT stage trains every weight, the video rows on the starting DiT's own prediction: the "
                         "sound relearned, the pictures and edits kept")
+    p.add_argument("--dit-data-tasks", nargs="+", choices=list(TASKS), default=None, metavar="TASK",
+                   help="only these layouts learn from the data, the others the starting DiT's own prediction (both "
+                        "rows): e.g. extend taught while every other task stays as it was")
     p.add_argument("--later-windows", action="store_true",
                    help="every clip also gets a window of its scene from a random later start (up to 15 s), and "
                         "the extension steps train on those: guides with objects mid-path or past a wall hit")
@@ -977,7 +993,7 @@ def main(argv=None) -> int:
                   2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
                   args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost,
                   args.edit_tracks, args.two_object_boost, args.edit_kept_sound, task_shares(args.task_share),
-                  args.extend_caption_drop, args.dit_keep_video)
+                  args.extend_caption_drop, args.dit_keep_video, args.dit_data_tasks)
         save_compiled(args.compile_cache if args.compile else None)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
