@@ -5,8 +5,8 @@ height follows the render's) and fl2va (PSNR of generated frame 0 against the re
 frame when both keyframes are given), the video VAE's reconstruction and the t2va checks on each clip round-tripped
 through both VAEs (the most a DiT can reach), masked edits of two-object clips (removal, replacement, sky repaint)
 and 5 s -> 15 s extensions (training/task_checks.py; with each scene's 15 s render round-tripped and judged at the
-same boundaries), and the trained SeedVR2 on degraded 2x clips against their
-bicubic upscale, and VSA's frames against dense attention's for the same seed. Prints a table and writes JSON.
+same boundaries), and the trained SeedVR2 on degraded 2x clips against their bicubic upscale, and VSA's frames
+against dense attention's for the same seed. Prints a table and writes JSON.
 
     python benchmarks/toy_eval.py --weights engine/weights/toy --captions 20 --out benchmarks/results/toy_eval.json
     python benchmarks/toy_eval.py --steps 16 --video-shift 3 ...   # another sampler than the DiT file's
