@@ -54,6 +54,13 @@ def load(weights: Path, device: str) -> H3Pipeline:
     return pipe
 
 
+def round_trip(pipe: H3Pipeline, truth) -> tuple[np.ndarray, np.ndarray]:
+    """A rendered clip's frames and sound encoded and decoded by the VAEs: what they let through to a DiT."""
+    frames = pipe.video_vae.decode(pipe.video_vae.encode_frames(torch.from_numpy(truth.frames))).numpy()
+    sound = pipe.audio_vae.decode(pipe.audio_vae.encode(torch.from_numpy(truth.audio), 32000)).cpu().numpy()
+    return frames, sound
+
+
 def scenes_where(condition, first_seed: int, count: int, width: int, height: int) -> list:
     """The first `count` held-out scenes (from `first_seed` on) that meet the condition."""
     found, seed = [], first_seed
@@ -120,8 +127,7 @@ def extension_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict
         truth = render(scene, width, height, num_frames=len(frames))
         boundaries = [b for b in boundaries if b + 24 <= len(frames)]
         samples = round(len(frames) / 24 * 32000)
-        recon = pipe.video_vae.decode(pipe.video_vae.encode_frames(torch.from_numpy(truth.frames))).numpy()
-        sound = pipe.audio_vae.decode(pipe.audio_vae.encode(torch.from_numpy(truth.audio), 32000)).cpu().numpy()
+        recon, sound = round_trip(pipe, truth)
         row = {"caption": caption(scene), "boundaries": boundaries,
                "extension": extension_checks(frames, np.asarray(out.audio)[:, :samples], truth, boundaries),
                # the whole scene rendered and round-tripped through both VAEs, judged at the same boundaries
@@ -226,8 +232,7 @@ def main() -> int:
         both = pipe.generate(GenerateRequest(prompt=caption(scene), seed=i, steps=args.steps, width=width,
                                              height=height, first_frame=truth.frames[0],
                                              last_frame=truth.frames[-1]))
-        recon = pipe.video_vae.decode(pipe.video_vae.encode_frames(torch.from_numpy(truth.frames))).numpy()
-        sound = pipe.audio_vae.decode(pipe.audio_vae.encode(torch.from_numpy(truth.audio), 32000)).cpu().numpy()
+        recon, sound = round_trip(pipe, truth)
         # What the VAEs let through: the same checks on the clip itself, encoded and decoded (a DiT can do no better)
         roundtrip = score_clip(recon[:len(truth.frames)], sound[:, :truth.audio.shape[1]], scene)["checks"]
         row = {"caption": caption(scene), "checks": verdict, "passed": all(verdict.values()),
