@@ -12,7 +12,9 @@ Both as R^2 (1 - residual power / the deviation's power) and residual RMS in pix
 fast ones (a step of more than 4 px inside). And per scene, the video half of the clicks check: whether the round
 trip's contacts (every object's, as the scorer finds them) agree with the rendered clicks (`scoring.clicks_agree`);
 with the sound rendered, this is the share of scenes whose t2va clicks check a perfect DiT could pass (the toy
-audio VAE returns every knock at its frame). Prints a table and writes JSON.
+audio VAE returns every knock at its frame). And the round trip's frame difference (the extension check's) across
+latent boundaries, over its clip's median: at 17m + 5, where every extension window joins (the end of the decoder's
+cross-fade of two windows), and at the other boundaries. Prints a table and writes JSON.
 
     python benchmarks/vae_motion.py --weights engine/weights/toy --scenes 120 --device cpu \
         --out benchmarks/results/vae_motion.json
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.models.h3.mask import latent_frame_spans  # noqa: E402
 from engine.models.h3.vae import load_video_vae_file  # noqa: E402
 from training.scoring import clicks_agree, colour_labels, contact_frames, track_colour  # noqa: E402
+from training.task_checks import JUMP_RATIO  # noqa: E402
 from training.toy_scene import sample_scene  # noqa: E402
 from training.toy_world import render  # noqa: E402
 from training.train import EVAL_SEED, FILES  # noqa: E402
@@ -53,11 +56,18 @@ def contacts(tracks: list) -> list[int]:
     return sorted(f for t in tracks for part in contact_frames(t, WIDTH, HEIGHT) for f in part)
 
 
-def latent_rows(vae, scene) -> tuple[list, list, list, int, bool]:
+def boundary_steps(frames: np.ndarray) -> tuple[list[float], list[float]]:
+    """The frame difference across each latent boundary over the clip's median: (at the joins, 17m + 5; elsewhere)."""
+    diffs = np.abs(np.diff(frames.astype(np.int16), axis=0)).mean((1, 2, 3))
+    ratios = {a: float(diffs[a - 1] / np.median(diffs)) for a, _ in latent_frame_spans(len(frames))[1:]}
+    return [r for a, r in ratios.items() if a % 17 == 5], [r for a, r in ratios.items() if a % 17 != 5]
+
+
+def latent_rows(vae, scene) -> tuple[list, list, list, int, bool, tuple]:
     """For the scene's first bouncer: (probe features, rendered deviations [4], decoded deviations [4]) of each
     4-frame latent where it is seen in all four frames of the render and of the round trip, the number of
-    4-frame latents where the render shows it in all four and the round trip loses it in one or more, and whether
-    the round trip's contacts agree with the rendered clicks."""
+    4-frame latents where the render shows it in all four and the round trip loses it in one or more, whether
+    the round trip's contacts agree with the rendered clicks, and its `boundary_steps`."""
     k = next(i for i, o in enumerate(scene.objects) if o.motion == "bounces")
     truth = render(scene, WIDTH, HEIGHT)
     with torch.no_grad():
@@ -81,7 +91,7 @@ def latent_rows(vae, scene) -> tuple[list, list, list, int, bool]:
         features.append(z[:, t, r - 1:r + 2, c - 1:c + 2].ravel())
         wanted.append(rendered_y[a:b] - y)
         drawn.append(decoded_y[a:b] - decoded_y[a:b].mean())
-    return features, wanted, drawn, lost, agree
+    return features, wanted, drawn, lost, agree, boundary_steps(decoded)
 
 
 def fit_probe(x: np.ndarray, y: np.ndarray, seed: int = 0, steps: int = 3000) -> torch.nn.Module:
@@ -137,6 +147,10 @@ def main() -> int:
                for name, values in (("probe", probed), ("decoder", drawn))
                for part, sel in (("all", np.ones(len(wanted), bool)), ("fast", fast))}
     lost = sum(row[3] for row in held)
+    joins, others = (np.concatenate([row[5][i] for row in rows]) for i in (0, 1))
+    summary["steps_over_median"] = {"joins": float(np.median(joins)), "other_boundaries": float(np.median(others)),
+                                    "joins_within_limit": float(np.mean(joins <= JUMP_RATIO)),
+                                    "other_boundaries_within_limit": float(np.mean(others <= JUMP_RATIO))}
     summary.update({"decoder_lost_share": lost / (lost + len(wanted)),
                     "contacts_agree_with_clicks": float(np.mean([row[4] for row in rows])), "scenes": len(rows),
                     "held_out_scenes": len(held), "weights": str(args.weights),
@@ -144,12 +158,16 @@ def main() -> int:
     print("\n== the bouncer's height inside each 4-frame latent (held-out scenes) ==")
     print(f"{'':16s} {'R^2':>6s} {'residual px':>12s} {'motion px':>10s} {'latents':>8s}")
     for key, s in summary.items():
-        if isinstance(s, dict):
+        if isinstance(s, dict) and "r2" in s:
             print(f"{key:16s} {s['r2']:6.2f} {s['residual_rms_px']:12.2f} {s['deviation_rms_px']:10.2f} "
                   f"{s['latents']:8d}")
     print(f"latents where the round trip loses the bouncer: {summary['decoder_lost_share']:.2f}")
     print(f"scenes whose round-trip contacts agree with the rendered clicks: "
           f"{summary['contacts_agree_with_clicks']:.2f} of {len(rows)}")
+    steps = summary["steps_over_median"]
+    print(f"round trip's frame difference over its median: at the joins {steps['joins']:.2f} (within "
+          f"{JUMP_RATIO:g}x: {steps['joins_within_limit']:.2f}), at the other latent boundaries "
+          f"{steps['other_boundaries']:.2f} ({steps['other_boundaries_within_limit']:.2f})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=1))
     return 0

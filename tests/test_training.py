@@ -279,6 +279,44 @@ def test_the_temporal_weight_fits_the_frame_to_frame_change(tmp_path):
     assert last[1.0] < last[0.0] / 2, last
 
 
+def test_the_seam_weight_smooths_the_latent_boundaries(tmp_path):
+    """`--vae-seam-weight`: the committed decoder, a few more steps on one clip of two decode windows: the change it
+    draws across latent boundaries, over the change inside latents, falls with the weight and not without."""
+    from engine.models.h3.vae import load_video_vae_file
+    from training.train import SEAM_FRAMES, Log, toy_clips, train_video_vae
+
+    clips = toy_clips([3], 224, 128, 1.7, 1)
+    assert clips[0][0].shape[0] >= SEAM_FRAMES
+    ratios = {}
+    for weight in (0.0, 8.0):
+        torch.manual_seed(0)
+        vae, log = load_video_vae_file(REPO / "engine/weights/toy" / FILES["video_vae"]), tmp_path / f"{weight}.jsonl"
+        train_video_vae(vae, clips, 60.0, 1, Log(log), np.random.default_rng(0), max_steps=8, decoder_only=True,
+                        seam_weight=weight)
+        ratios[weight] = [json.loads(line)["seam_ratio"] for line in log.read_text().splitlines()]
+    assert ratios[0.0][0] == pytest.approx(ratios[8.0][0], rel=0.05) and ratios[0.0][0] > 1.5, ratios
+    assert np.mean(ratios[8.0][-3:]) < 0.75 * np.mean(ratios[0.0][-3:]), ratios
+
+
+def test_two_runs_video_vae_files_average_tensor_by_tensor(tmp_path):
+    """`python -m training.average`: the mean of two video VAE files loads through the strict loader, each weight
+    the mean of the two (to fp16 rounding); a file of another architecture is refused by name."""
+    from engine.models.h3.vae import (TOY_VIDEO_VAE, build_tiny_video_vae, load_video_vae_file,
+                                      save_video_vae_file)
+    from training.average import main
+
+    files = [save_video_vae_file(build_tiny_video_vae(seed), tmp_path / f"{seed}.safetensors") for seed in (0, 1)]
+    assert main([*map(str, files), "--out", str(tmp_path / "mean.safetensors")]) == 0
+    runs = [load_video_vae_file(f).model.state_dict() for f in files]
+    mean = load_video_vae_file(tmp_path / "mean.safetensors").model.state_dict()
+    for key in ("decoder.proj_in.weight", "encoder.conv_in.weight"):
+        assert not torch.equal(runs[0][key], runs[1][key])
+        torch.testing.assert_close(mean[key], (runs[0][key] + runs[1][key]) / 2, atol=1e-3, rtol=1e-3)
+    other = save_video_vae_file(build_tiny_video_vae(0, TOY_VIDEO_VAE), tmp_path / "toy.safetensors")
+    with pytest.raises(ValueError, match="toy.safetensors: its header differs"):
+        main([str(files[0]), str(other), "--out", str(tmp_path / "bad.safetensors")])
+
+
 def test_motion_pixels_mark_what_changes_inside_a_latent():
     """A still ball marks nothing; a bouncing one marks pixels only where it is in some frame of the latent, in
     the latent of its floor contact too, and fewest at the top of its bounce."""

@@ -79,6 +79,9 @@ OBJECT_WEIGHT = 8.0
 OBJECT_DILATE = 2  # a VAE's pixel loss is weighted 1 + OBJECT_WEIGHT within this many pixels of an object
 FINISH_S = 30  # of --minutes kept for the last evaluation and the files
 VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of the temporal chunking
+# Two decode windows: the first window's 5 frames past its chunk cross-faded into the second's head, the seam every
+# extension join and every 17 frames of a longer clip decode through (one window has none).
+SEAM_FRAMES = 39
 MOTION_STEP = 24  # uint8 levels: a pixel an object enters or leaves inside a latent, not its anti-aliased rim
 STAGES = {"video_vae": 0.3, "audio_vae": 0.15, "text_encoder": 0.05, "dit": 0.5}  # share of the time budget
 # `--stages video_decoder` alone: the video VAE's decoder trained further on its own budget (the encoder and so the
@@ -221,7 +224,8 @@ def pixels(frames: np.ndarray, device) -> torch.Tensor:
 
 def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log, rng, max_steps=None,
                     decoder_only: bool = False, near_object_weight: float = OBJECT_WEIGHT,
-                    temporal_weight: float = 0.0, bounce_boost: float = 1.0, motion_weight: float = 0.0) -> None:
+                    temporal_weight: float = 0.0, bounce_boost: float = 1.0, motion_weight: float = 0.0,
+                    seam_weight: float = 0.0) -> None:
     """Reconstruction weighted near the objects (+ a faint KL); `decoder_only` keeps the encoder, so the latents a
     DiT learned stay valid. Unweighted, the ~3 % of pixels that hold objects hardly count: small and fast objects
     came back too faint to find by colour in a quarter of the held-out round trips. `near_object_weight` is the
@@ -232,7 +236,11 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
     fastest and turns within one latent's 4 frames, where the round trip lost it (it faded or froze).
     `motion_weight` is added where a frame differs from its latent's mean frame (`motion_pixels`): the decoders
     trained without it drew each latent's 4 frames nearly alike (a bouncer at 98 px through a contact rendered
-    104 -> 108 -> 100 -> 93), though the same decoder fitted to that one clip draws it within 50 steps."""
+    104 -> 108 -> 100 -> 93), though the same decoder fitted to that one clip draws it within 50 steps.
+    `seam_weight` adds the error of the frame-to-frame change across every latent boundary alone, on SEAM_FRAMES
+    windows where the clips are that long: the decoder steps there 2.1-2.4x the clip's median frame difference and
+    2.8x at a chunk seam, where every extension joins (the render: 1x), so a join fails no-jump in the VAE's own
+    round trip. The log's `seam_ratio` is the decoded change across the boundaries over the change inside latents."""
     model, device = vae.model.train(), vae.device
     model.disable_tiling()
     params = list((model.decoder if decoder_only else model).parameters())
@@ -242,12 +250,15 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
         model.quant_conv.requires_grad_(False)
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, fused=device.type == "cuda")
     num_frames = clips[0][0].shape[0]
+    window = SEAM_FRAMES if seam_weight and num_frames >= SEAM_FRAMES else VAE_FRAMES
+    seams = torch.tensor([a - 1 for a, _ in M.latent_frame_spans(window)[1:]], device=device)
+    inside = torch.ones(window - 1, dtype=torch.bool, device=device).index_fill_(0, seams, False)
     odds = np.array([clip_odds(clip[2], bounce_boost) for clip in clips])
     for step in timed_steps(budget_s, max_steps):
         # A smoke run (max_steps) fits one batch, so its loss must fall; a real run draws clips and windows.
         picks = range(batch) if max_steps else rng.choice(len(clips), size=batch, p=odds / odds.sum())
-        start = 0 if max_steps else int(rng.integers(0, num_frames - VAE_FRAMES + 1))
-        frames = np.stack([clips[i][0][start:start + VAE_FRAMES] for i in picks])
+        start = 0 if max_steps else int(rng.integers(0, num_frames - window + 1))
+        frames = np.stack([clips[i][0][start:start + window] for i in picks])
         x = pixels(frames, device)
         masks = np.stack([object_pixels(f, clips[i][2]) for f, i in zip(frames, picks)])
         weight = object_weight(masks, device, near_object_weight)
@@ -259,16 +270,21 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
                 posterior = model.encode(x).latent_dist
             y = model.decode(posterior.sample()).sample
         error = (y.float() - x).pow(2)
-        step_error = (y.float().diff(dim=2) - x.diff(dim=2)).pow(2)
+        change = y.float().diff(dim=2)
+        step_error = (change - x.diff(dim=2)).pow(2)
+        weighted_steps = step_error * weight[:, :, 1:]
         recon = error.mean()
-        loss = ((error * weight).mean() + temporal_weight * (step_error * weight[:, :, 1:]).mean()) / weight.mean()
+        loss = (error * weight).mean() + temporal_weight * weighted_steps.mean()
+        loss = (loss + seam_weight * weighted_steps[:, :, seams].mean()) / weight.mean()
         loss = loss + 1e-6 * posterior.kl().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 50 == 0 or max_steps:
-            log("video_vae", step, max_steps, recon=recon.item(), step_error=step_error.mean().item())
+            drawn = change.detach().abs().mean((0, 1, 3, 4))
+            log("video_vae", step, max_steps, recon=recon.item(), step_error=step_error.mean().item(),
+                seam_ratio=(drawn[seams].mean() / drawn[inside].mean()).item())
     model.eval()
     model.enable_tiling(TINY_TILE_SIZE, TINY_TILE_SIZE, TINY_TILE_OVERLAP, TINY_TILE_OVERLAP)
 
@@ -902,6 +918,9 @@ def main(argv=None) -> int:
                         "the extension steps train on those: guides with objects mid-path or past a wall hit")
     p.add_argument("--vae-temporal-weight", type=float, default=0.0,
                    help="video decoder: weight of the frame-to-frame change's error beside the frames' own")
+    p.add_argument("--vae-seam-weight", type=float, default=0.0,
+                   help="the video decoder stage's weight on the frame-to-frame change's error across latent "
+                        "boundaries, on two decode windows (39 frames): against the step at every latent and chunk seam")
     p.add_argument("--vae-motion-weight", type=float, default=0.0,
                    help="video decoder: loss weight added where a frame differs from its latent's mean frame")
     p.add_argument("--vae-object-weight", type=float, default=OBJECT_WEIGHT,
@@ -967,7 +986,7 @@ def main(argv=None) -> int:
         train_video_vae(pipe.video_vae, clips, stage_budget("video_decoder"), 1 if args.smoke else 8, log, rng,
                         steps_cap, decoder_only=True, near_object_weight=args.vae_object_weight,
                         temporal_weight=args.vae_temporal_weight, bounce_boost=args.bounce_boost,
-                        motion_weight=args.vae_motion_weight)
+                        motion_weight=args.vae_motion_weight, seam_weight=args.vae_seam_weight)
     audio_recipe = dict(batch=1 if args.smoke else 16, seconds=0.1 if args.smoke else 1.0,
                         envelope_weight=args.audio_envelope)
     if args.audio_clicks and {"audio_vae", "audio_decoder"} & set(args.stages):
