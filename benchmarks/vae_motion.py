@@ -60,7 +60,8 @@ def boundary_steps(frames: np.ndarray) -> tuple[list[float], list[float]]:
     """The frame difference across each latent boundary over the clip's median: (at the joins, 17m + 5; elsewhere)."""
     diffs = np.abs(np.diff(frames.astype(np.int16), axis=0)).mean((1, 2, 3))
     ratios = {a: float(diffs[a - 1] / np.median(diffs)) for a, _ in latent_frame_spans(len(frames))[1:]}
-    return [r for a, r in ratios.items() if a % 17 == 5], [r for a, r in ratios.items() if a % 17 != 5]
+    joins = [a for a in ratios if a % 17 == 5 and a > 5]  # frame 5 ends the first chunk's first latents only
+    return [ratios[a] for a in joins], [r for a, r in ratios.items() if a not in joins]
 
 
 def latent_rows(vae, scene) -> tuple[list, list, list, int, bool, tuple]:
