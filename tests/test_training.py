@@ -260,40 +260,37 @@ def test_a_fresh_video_decoder_keeps_the_latents(tmp_path):
     assert torch.equal(encode_video(vae, clips[0]), before)
 
 
+def fresh_decoder_log(log, clips, steps: int, **weights) -> list[dict]:
+    """The log rows of a fresh video decoder (on the toy preset's encoder) fitting `clips` for `steps` steps."""
+    from training.train import Log, fresh_video_decoder, train_video_vae
+
+    torch.manual_seed(0)
+    vae = fresh_video_decoder(H3Pipeline.from_preset("toy").video_vae, seed=0)
+    train_video_vae(vae, clips, 60.0, 1, Log(log), np.random.default_rng(0), max_steps=steps, decoder_only=True,
+                    **weights)
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
 def test_the_temporal_weight_fits_the_frame_to_frame_change(tmp_path):
     """`--vae-temporal-weight`: the decoder's error on each frame-to-frame change falls faster with it than on the
     frames' error alone (same clip, seed and steps)."""
-    import numpy as np
+    from training.train import toy_clips
 
-    from training.train import Log, fresh_video_decoder, toy_clips, train_video_vae
-
-    pipe = H3Pipeline.from_preset("toy")
     clips = toy_clips(range(1), 96, 64, 0.9, 1)
-    last = {}
-    for weight in (0.0, 1.0):
-        torch.manual_seed(0)
-        vae, log = fresh_video_decoder(pipe.video_vae, seed=0), tmp_path / f"log{weight}.jsonl"
-        train_video_vae(vae, clips, 60.0, 1, Log(log), np.random.default_rng(0), max_steps=6, decoder_only=True,
-                        temporal_weight=weight)
-        last[weight] = json.loads(log.read_text().splitlines()[-1])["step_error"]
+    last = {w: fresh_decoder_log(tmp_path / f"log{w}.jsonl", clips, 6, temporal_weight=w)[-1]["step_error"]
+            for w in (0.0, 1.0)}
     assert last[1.0] < last[0.0] / 2, last
 
 
 def test_the_seam_weight_acts_on_the_change_across_latent_boundaries(tmp_path):
     """`--vae-seam-weight`: a fresh decoder fitting one clip of two decode windows: the change it draws across latent
     boundaries, over the change inside latents (the log's `seam_ratio`), falls with the weight and not without."""
-    from training.train import SEAM_FRAMES, Log, fresh_video_decoder, toy_clips, train_video_vae
+    from training.train import SEAM_FRAMES, toy_clips
 
-    pipe = H3Pipeline.from_preset("toy")
     clips = toy_clips([3], 224, 128, 1.7, 1)
     assert clips[0][0].shape[0] >= SEAM_FRAMES
-    ratios = {}
-    for weight in (0.0, 8.0):
-        torch.manual_seed(0)
-        vae, log = fresh_video_decoder(pipe.video_vae, seed=0), tmp_path / f"{weight}.jsonl"
-        train_video_vae(vae, clips, 60.0, 1, Log(log), np.random.default_rng(0), max_steps=8, decoder_only=True,
-                        seam_weight=weight)
-        ratios[weight] = [json.loads(line)["seam_ratio"] for line in log.read_text().splitlines()]
+    ratios = {w: [row["seam_ratio"] for row in fresh_decoder_log(tmp_path / f"{w}.jsonl", clips, 8, seam_weight=w)]
+              for w in (0.0, 8.0)}
     assert ratios[0.0][0] == pytest.approx(ratios[8.0][0], rel=0.05), ratios
     assert ratios[8.0][-1] < 0.5 * ratios[0.0][-1] and ratios[8.0][-1] < 0.5 * ratios[8.0][0], ratios
 
