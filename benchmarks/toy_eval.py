@@ -4,9 +4,10 @@ share of clips passing each check, all of them, and the issue's four named ones;
 height follows the render's) and fl2va (PSNR of generated frame 0 against the rendered first frame, and of the last
 frame when both keyframes are given), the video VAE's reconstruction and the t2va checks on each clip round-tripped
 through both VAEs (the most a DiT can reach), masked edits of two-object clips (removal, replacement, sky repaint)
-and 5 s -> 15 s extensions (training/task_checks.py; with each scene's 15 s render round-tripped and judged at the
-same boundaries), and the trained SeedVR2 on degraded 2x clips against their bicubic upscale, and VSA's frames
-against dense attention's for the same seed. Prints a table and writes JSON.
+and 5 s -> 15 s extensions (training/task_checks.py; each window prompted with what the scene shows from its start;
+with each scene's 15 s render round-tripped and judged at the same boundaries), and the trained SeedVR2 on
+degraded 2x clips against their bicubic upscale, and VSA's frames against dense attention's for the same seed.
+Prints a table and writes JSON.
 
     python benchmarks/toy_eval.py --weights engine/weights/toy --captions 20 --out benchmarks/results/toy_eval.json
     python benchmarks/toy_eval.py --steps 16 --video-shift 3 ...   # another sampler than the DiT file's
@@ -30,7 +31,7 @@ from engine.models.h3.extend import plan_windows  # noqa: E402
 from engine.models.h3.pipeline import EditRequest, ExtendRequest, GenerateRequest, H3Pipeline  # noqa: E402
 from engine.models.h3.request import Source  # noqa: E402
 from engine.models.seedvr2.pipeline import SeedVR2Pipeline  # noqa: E402
-from training.captions import caption  # noqa: E402
+from training.captions import caption, caption_at  # noqa: E402
 from training.quality import delta_e76, mean_colour_lab, psnr, ssim  # noqa: E402
 from training.scoring import NAMED_CHECKS, score_clip  # noqa: E402
 from training.task_checks import (box_masks, extension_checks, height_correlation, removal_checks,  # noqa: E402
@@ -113,22 +114,26 @@ def edit_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict]:
 
 
 def extension_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict]:
-    """5 s sources extended by 10 s in 5 s windows (overlap 7 latents), scored at the window boundaries."""
+    """5 s sources extended by 10 s in 5 s windows (overlap 7 latents), scored at the window boundaries. Each
+    window's prompt says what the scene shows from its first new frame on (`caption_at`: after a wall hit a mover
+    goes the other way), or with `--extension-prompts scene` every window gets the scene's own caption."""
     rows = []
     for i, scene in enumerate(scenes_where(lambda s: True, EVAL_SEED + 3000, args.extensions, width, height)):
         source = render(scene, width, height)
         req = ExtendRequest(Source(source.frames, audio=source.audio), 10.0, [caption(scene)], window_seconds=5.0,
                             seed=i)
-        out = pipe.extend(req)
         F0 = len(source.frames)
         windows = plan_windows(F0, int(round(req.seconds * 24)), req.overlap_latents, 5 * 24 + 5)
         boundaries = [F0] + [w.start + w.frames for w in windows[:-1]]
+        if args.extension_prompts == "window":
+            req = replace(req, prompts=[caption_at(scene, b / 24, width, height) for b in boundaries])
+        out = pipe.extend(req)
         frames = out.frames.numpy()[:MAX_FRAMES]  # windows of 5 s overshoot 15 s; the toy world renders to 15 s
         truth = render(scene, width, height, num_frames=len(frames))
         boundaries = [b for b in boundaries if b + 24 <= len(frames)]
         samples = round(len(frames) / 24 * 32000)
         recon, sound = round_trip(pipe, truth)
-        row = {"caption": caption(scene), "boundaries": boundaries,
+        row = {"caption": caption(scene), "prompts": req.prompts, "boundaries": boundaries,
                "extension": extension_checks(frames, np.asarray(out.audio)[:, :samples], truth, boundaries),
                # the whole scene rendered and round-tripped through both VAEs, judged at the same boundaries
                "vae_roundtrip_extension": extension_checks(recon[:len(frames)], sound[:, :samples], truth,
@@ -205,6 +210,9 @@ def main() -> int:
     p.add_argument("--edits", type=int, default=4, help="two-object clips for removal / replacement, and sky clips "
                                                        "for the repaint")
     p.add_argument("--extensions", type=int, default=3, help="5 s clips extended to 15 s")
+    p.add_argument("--extension-prompts", choices=("window", "scene"), default="window",
+                   help="each extension window prompted with what the scene shows from its start (after a wall hit "
+                        "a mover goes the other way), or every window with the scene's caption")
     p.add_argument("--out", default="benchmarks/results/toy_eval.json")
     p.add_argument("--vsa", type=int, default=4, help="captions generated dense and with VSA (quality rows)")
     p.add_argument("--vsa-sparsity", type=float, default=0.875)
@@ -268,7 +276,8 @@ def main() -> int:
                **shares(extensions, "extension"), **shares(extensions, "vae_roundtrip_extension"),
                **upscale_rows(args, width, height), **vsa_rows(pipe, args, width, height),
                "wall_s": round(time.perf_counter() - t0, 1), "device": args.device, "weights": str(args.weights),
-               "guidance": pipe.guidance, "steps": args.steps, "video_shift": pipe.video_shift}
+               "guidance": pipe.guidance, "steps": args.steps, "video_shift": pipe.video_shift,
+               "extension_prompts": args.extension_prompts}
     print("\n== toy eval (share of clips passing; PSNR in dB) ==")
     for k, v in summary.items():
         print(f"{k:38s} {v:.3f}" if isinstance(v, float) else f"{k:38s} {v}")

@@ -8,7 +8,8 @@ import pytest
 
 from engine.models.h3 import layout
 from training.captions import (
-    BACKGROUND_PHRASES, CaptionError, ObjectDescription, SceneDescription, caption, describe, parse_caption)
+    BACKGROUND_PHRASES, CaptionError, ObjectDescription, SceneDescription, caption, caption_at, describe,
+    parse_caption)
 from training.toy_scene import (
     BACKGROUNDS, COLOURS, DIRECTIONS, MOTIONS, PITCHES_HZ, SHAPES, SIZES, sample_scene, visible_on)
 from training.toy_world import ToyClip, background_image, frames_for_seconds, render
@@ -122,6 +123,28 @@ def test_a_longer_render_continues_the_shorter_one_and_reaches_the_walls(scenes)
     mover = next(k for k, o in enumerate(scene.objects) if o.motion in DIRECTIONS)
     assert long.contact_frames[mover], "a mover reaches a wall within 15 s"
     assert short.contact_frames[mover] == ()
+
+
+def test_a_caption_at_a_later_time_names_the_way_each_mover_goes_then(scenes):
+    """`caption_at` (an extension window's prompt in toy_eval): before a mover's first wall hit the scene's own
+    caption; after it, for every frame a second away from a hit, the direction the render moves it in."""
+    width, height = 224, 128
+    checked, turned = 0, 0
+    for scene in [s for s in scenes if any(o.motion in DIRECTIONS for o in s.objects)][:12]:
+        clip = render(scene, width, height, seconds=15)
+        assert caption_at(scene, 0.0, width, height) == caption(scene)
+        for k, obj in enumerate(scene.objects):
+            if obj.motion not in DIRECTIONS:
+                continue
+            axis, _ = DIRECTIONS[obj.motion]
+            path = clip.centroids[k][:, axis]
+            for f in range(0, len(path) - 1, 12):
+                if any(abs(f - c) <= 24 for c in clip.contact_frames[k]):
+                    continue
+                said = parse_caption(caption_at(scene, f / 24, width, height)).objects[k].motion
+                assert DIRECTIONS[said][1] == np.sign(path[f + 1] - path[f]), (scene, f, said)
+                checked, turned = checked + 1, turned + (said != obj.motion)
+    assert checked > 100 and turned > 20, (checked, turned)
 
 
 def test_a_2x_canvas_is_the_same_picture():

@@ -10,9 +10,9 @@ The size may be left out of a parsed caption (then it is not checked); `caption`
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from training.toy_scene import BACKGROUNDS, COLOURS, MOTIONS, SHAPES, SIZES, Scene, visible_on
+from training.toy_scene import COLOURS, DIRECTIONS, MOTIONS, SHAPES, SIZES, Scene, contact_times, visible_on
 
 BACKGROUND_PHRASES = {
     "black": "on a black background",
@@ -57,6 +57,21 @@ def caption(scene: Scene | SceneDescription) -> str:
         " ".join(word for word in ("a", o.size, o.colour, o.shape, o.motion) if word) for o in scene.objects)
     return (f"{objects} {BACKGROUND_PHRASES[scene.background]}"
             f"{HUMMING if scene.humming else ''}{RAIN if scene.rain else ''}")
+
+
+OPPOSITE = {"moves left": "moves right", "moves right": "moves left", "moves up": "moves down",
+            "moves down": "moves up"}
+
+
+def caption_at(scene: Scene, seconds: float, width: int, height: int) -> str:
+    """The caption of what the scene shows from `seconds` on: a mover that has hit walls an odd number of times by
+    then moves the other way (what an artist would write for an extension window starting there)."""
+    def heading(o):
+        if o.motion in DIRECTIONS and len(contact_times(o, seconds, width, height)) % 2:
+            return replace(o, motion=OPPOSITE[o.motion])
+        return o
+
+    return caption(describe(replace(scene, objects=tuple(heading(o) for o in scene.objects))))
 
 
 def _alternatives(words) -> str:
