@@ -66,12 +66,10 @@ OPPOSITE = {"moves left": "moves right", "moves right": "moves left", "moves up"
 def caption_at(scene: Scene, seconds: float, width: int, height: int) -> str:
     """The caption of what the scene shows from `seconds` on: a mover that has hit walls an odd number of times by
     then moves the other way (what an artist would write for an extension window starting there)."""
-    def heading(o):
-        if o.motion in DIRECTIONS and len(contact_times(o, seconds, width, height)) % 2:
-            return replace(o, motion=OPPOSITE[o.motion])
-        return o
-
-    return caption(describe(replace(scene, objects=tuple(heading(o) for o in scene.objects))))
+    said = describe(scene)
+    turned = [o.motion in DIRECTIONS and len(contact_times(o, seconds, width, height)) % 2 for o in scene.objects]
+    objects = tuple(replace(d, motion=OPPOSITE[d.motion]) if t else d for d, t in zip(said.objects, turned))
+    return caption(replace(said, objects=objects))
 
 
 def _alternatives(words) -> str:
