@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.models.h3.mask import latent_frame_spans  # noqa: E402
 from engine.models.h3.vae import load_video_vae_file  # noqa: E402
 from training.scoring import clicks_agree, colour_labels, contact_frames, track_colour  # noqa: E402
-from training.task_checks import JUMP_RATIO  # noqa: E402
+from training.task_checks import JUMP_RATIO, frame_differences  # noqa: E402
 from training.toy_scene import sample_scene  # noqa: E402
 from training.toy_world import render  # noqa: E402
 from training.train import EVAL_SEED, FILES  # noqa: E402
@@ -58,7 +58,7 @@ def contacts(tracks: list) -> list[int]:
 
 def boundary_steps(frames: np.ndarray) -> tuple[list[float], list[float]]:
     """The frame difference across each latent boundary over the clip's median: (at the joins, 17m + 5; elsewhere)."""
-    diffs = np.abs(np.diff(frames.astype(np.int16), axis=0)).mean((1, 2, 3))
+    diffs = frame_differences(frames)
     ratios = {a: float(diffs[a - 1] / np.median(diffs)) for a, _ in latent_frame_spans(len(frames))[1:]}
     joins = [a for a in ratios if a % 17 == 5 and a > 5]  # frame 5 ends the first chunk's first latents only
     return [ratios[a] for a in joins], [r for a, r in ratios.items() if a not in joins]

@@ -285,10 +285,10 @@ def test_the_temporal_weight_fits_the_frame_to_frame_change(tmp_path):
 def test_the_seam_weight_acts_on_the_change_across_latent_boundaries(tmp_path):
     """`--vae-seam-weight`: a fresh decoder fitting one clip of two decode windows: the change it draws across latent
     boundaries, over the change inside latents (the log's `seam_ratio`), falls with the weight and not without."""
-    from training.train import SEAM_FRAMES, toy_clips
+    from training.train import SEAM_WINDOW_FRAMES, toy_clips
 
     clips = toy_clips([3], 224, 128, 1.7, 1)
-    assert clips[0][0].shape[0] >= SEAM_FRAMES
+    assert clips[0][0].shape[0] >= SEAM_WINDOW_FRAMES
     ratios = {w: [row["seam_ratio"] for row in fresh_decoder_log(tmp_path / f"{w}.jsonl", clips, 8, seam_weight=w)]
               for w in (0.0, 8.0)}
     assert ratios[0.0][0] == pytest.approx(ratios[8.0][0], rel=0.05), ratios

@@ -97,6 +97,11 @@ def _velocity(track, frames: slice) -> np.ndarray:
     return np.array([np.polyfit(t[seen], x, 1)[0], np.polyfit(t[seen], y, 1)[0]]) * FPS
 
 
+def frame_differences(frames: np.ndarray) -> np.ndarray:
+    """uint8 [F, H, W, 3] -> [F - 1]: the mean absolute change from frame i to i + 1."""
+    return np.abs(np.diff(frames.astype(np.int16), axis=0)).mean((1, 2, 3))
+
+
 def _window_audio(audio: np.ndarray, frames: slice) -> np.ndarray:
     return audio[:, int(frames.start / FPS * SAMPLE_RATE):int(frames.stop / FPS * SAMPLE_RATE)]
 
@@ -106,7 +111,7 @@ def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boun
     each window adds (the source's length, then each later window's). Velocities are judged for objects that move
     in a line or stay still, away from their contacts (a wall hit turns the true velocity too)."""
     labels = colour_labels(frames)
-    diffs = np.abs(np.diff(frames.astype(np.int16), axis=0)).mean((1, 2, 3))  # diffs[i]: frame i -> i + 1
+    diffs = frame_differences(frames)
     median = float(np.median(diffs))
     checks, measured = {}, {"median_frame_difference": median}
     speeds_agree, jumps = [], []

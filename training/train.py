@@ -81,7 +81,7 @@ FINISH_S = 30  # of --minutes kept for the last evaluation and the files
 VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of the temporal chunking
 # Two decode windows: the first window's 5 frames past its chunk cross-faded into the second's head, the seam every
 # extension join and every 17 frames of a longer clip decode through (one window has none).
-SEAM_FRAMES = 39
+SEAM_WINDOW_FRAMES = 39
 MOTION_STEP = 24  # uint8 levels: a pixel an object enters or leaves inside a latent, not its anti-aliased rim
 STAGES = {"video_vae": 0.3, "audio_vae": 0.15, "text_encoder": 0.05, "dit": 0.5}  # share of the time budget
 # `--stages video_decoder` alone: the video VAE's decoder trained further on its own budget (the encoder and so the
@@ -237,10 +237,11 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
     `motion_weight` is added where a frame differs from its latent's mean frame (`motion_pixels`): the decoders
     trained without it drew each latent's 4 frames nearly alike (a bouncer at 98 px through a contact rendered
     104 -> 108 -> 100 -> 93), though the same decoder fitted to that one clip draws it within 50 steps.
-    `seam_weight` adds the error of the frame-to-frame change across every latent boundary alone, on SEAM_FRAMES
-    windows where the clips are that long: the decoder steps there 2.1-2.4x the clip's median frame difference and
-    2.8x at a chunk seam, where every extension joins (the render: 1x), so a join fails no-jump in the VAE's own
-    round trip. The log's `seam_ratio` is the decoded change across the boundaries over the change inside latents."""
+    `seam_weight` adds the error of the frame-to-frame change across every latent boundary alone, on
+    SEAM_WINDOW_FRAMES windows where the clips are that long: the decoder steps there 2.1-2.4x the clip's median
+    frame difference and 2.8x at a chunk seam, where every extension joins (the render: 1x), so a join fails
+    no-jump in the VAE's own round trip. The log's `seam_ratio` is the decoded change across the boundaries over the
+    change inside latents."""
     model, device = vae.model.train(), vae.device
     model.disable_tiling()
     params = list((model.decoder if decoder_only else model).parameters())
@@ -250,7 +251,7 @@ def train_video_vae(vae: VideoVAE, clips, budget_s: float, batch: int, log: Log,
         model.quant_conv.requires_grad_(False)
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, fused=device.type == "cuda")
     num_frames = clips[0][0].shape[0]
-    window = SEAM_FRAMES if seam_weight and num_frames >= SEAM_FRAMES else VAE_FRAMES
+    window = SEAM_WINDOW_FRAMES if seam_weight and num_frames >= SEAM_WINDOW_FRAMES else VAE_FRAMES
     seams = torch.tensor([a - 1 for a, _ in M.latent_frame_spans(window)[1:]], device=device)
     inside = torch.ones(window - 1, dtype=torch.bool, device=device).index_fill_(0, seams, False)
     odds = np.array([clip_odds(clip[2], bounce_boost) for clip in clips])
@@ -920,7 +921,8 @@ def main(argv=None) -> int:
                    help="video decoder: weight of the frame-to-frame change's error beside the frames' own")
     p.add_argument("--vae-seam-weight", type=float, default=0.0,
                    help="the video decoder stage's weight on the frame-to-frame change's error across latent "
-                        "boundaries, on two decode windows (39 frames): against the step at every latent and chunk seam")
+                        "boundaries, on two decode windows (39 frames): against the step at every latent and chunk "
+                        "seam")
     p.add_argument("--vae-motion-weight", type=float, default=0.0,
                    help="video decoder: loss weight added where a frame differs from its latent's mean frame")
     p.add_argument("--vae-object-weight", type=float, default=OBJECT_WEIGHT,
