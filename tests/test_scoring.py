@@ -5,6 +5,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from engine.models.h3.layout import FRAMES_PER_LATENT, latent_frames
 from training.captions import CaptionError, caption, describe
 from training.quality import delta_e76, mean_colour_lab, psnr, srgb_to_lab, ssim
 from training.scoring import ScoreInputError, detect_clicks, score_clip
@@ -99,6 +100,26 @@ def test_a_time_reversed_clip_fails_its_direction(scenes):
         clip = pick(scenes, lambda s: one(s, motions))
         score = score_clip(clip.frames[::-1], clip.audio, clip.caption)
         assert "motion" in failed(score) and score["detected"]["0.motion"] == OPPOSITE[clip.scene.objects[0].motion]
+
+
+def test_a_bounce_held_over_a_latents_frames_is_one_contact_at_its_middle(scenes):
+    """The toy video VAE decodes the pixel frames of one latent frame (4; 1 at a chunk's start) alike, so a bounce it
+    draws turns over a run of equal frames: one contact, at the run's middle. Each latent's middle frame held over
+    its span passes (the run's first and last frames as two contacts were up to 3 frames from a click); its first
+    frame held, the picture 1-2 frames late, does not."""
+    clip = pick(scenes, lambda s: one(s, ("bounces",)))
+
+    def held(offset):
+        frames, start = clip.frames.copy(), 0
+        for k in range(latent_frames(len(frames))):
+            span = FRAMES_PER_LATENT[k % 5]
+            frames[start:start + span] = clip.frames[start + offset(span)]
+            start += span
+        return score_clip(frames, clip.audio, clip.caption)
+
+    middle = held(lambda span: span // 2)
+    assert not failed(middle) and len(middle["detected"]["0.contacts"]) == len(clip.click_frames), middle
+    assert "clicks" in failed(held(lambda span: 0))
 
 
 def test_silent_audio_fails_pitch_and_clicks(scenes):

@@ -156,17 +156,25 @@ def _step(position: np.ndarray) -> np.ndarray:
     return np.fmax(np.pad(moves, (1, 0), constant_values=np.nan), np.pad(moves, (0, 1), constant_values=np.nan))
 
 
-def contact_frames(track: Track, width: int, height: int) -> tuple[list[int], list[int]]:
+def _held_turns(turn: np.ndarray, at_edge: np.ndarray) -> list[float]:
+    """The middle frame of every run of consecutive `turn` frames with the object `at_edge` in one of them: a turn
+    held over several frames (a video VAE draws the frames of one latent alike) is one contact, not one per frame."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], turn, [False]]).astype(np.int8)))
+    return [float(a + b - 1) / 2 for a, b in zip(edges[::2], edges[1::2]) if at_edge[a:b].any()]
+
+
+def contact_frames(track: Track, width: int, height: int) -> tuple[list[float], list[float]]:
     """(floor bounces, wall and ceiling hits): frames where the track turns with the object at that edge (within
-    EDGE_MARGIN plus the frame's step, as a fast object meets the edge between two frames)."""
+    EDGE_MARGIN plus the frame's step, as a fast object meets the edge between two frames); a turn held over
+    consecutive frames counts once, at its middle (x.5 between two frames)."""
     x_peak, x_dip = _turns(track.x, width)
     y_peak, y_dip = _turns(track.y, height)
     x_reach, y_reach = EDGE_MARGIN * width + _step(track.x), EDGE_MARGIN * height + _step(track.y)
     with np.errstate(invalid="ignore"):
-        floor = y_peak & (track.bottom >= height - 1 - y_reach)
-        walls = ((x_peak & (track.right >= width - 1 - x_reach)) | (x_dip & (track.left <= x_reach))
-                 | (y_dip & (track.top <= y_reach)))
-    return np.flatnonzero(floor).tolist(), np.flatnonzero(walls).tolist()
+        floor = _held_turns(y_peak, track.bottom >= height - 1 - y_reach)
+        walls = (_held_turns(x_peak, track.right >= width - 1 - x_reach) + _held_turns(x_dip, track.left <= x_reach)
+                 + _held_turns(y_dip, track.top <= y_reach))
+    return floor, sorted(walls)
 
 
 def classify_motion(track: Track, width: int, height: int, fps: float = FPS) -> str | None:
