@@ -1,7 +1,8 @@
 """How the trained embedded default does on the toy world, scored from decoded frames and sound alone
 (training/scoring.py): t2va over captions of held-out scenes (colour, motion, background, pitch, clicks, rain; the
 share of clips passing each check, all of them, and the issue's four named ones; for each bouncer, how closely its
-height follows the render's) and fl2va (PSNR of generated frame 0 against the rendered first frame, and of the last
+height follows the render's; where the render clicks, whether the contacts drawn agree with its clicks: the clicks
+check's pictures half) and fl2va (PSNR of generated frame 0 against the rendered first frame, and of the last
 frame when both keyframes are given), the video VAE's reconstruction and the t2va checks on each clip round-tripped
 through both VAEs (the most a DiT can reach), masked edits of two-object clips (removal, replacement, sky repaint)
 and 5 s -> 15 s extensions (training/task_checks.py; each window prompted with what the scene shows from its start;
@@ -33,7 +34,7 @@ from engine.models.h3.request import Source  # noqa: E402
 from engine.models.seedvr2.pipeline import SeedVR2Pipeline  # noqa: E402
 from training.captions import caption, caption_at  # noqa: E402
 from training.quality import delta_e76, mean_colour_lab, psnr, ssim  # noqa: E402
-from training.scoring import NAMED_CHECKS, score_clip  # noqa: E402
+from training.scoring import NAMED_CHECKS, clicks_agree, score_clip  # noqa: E402
 from training.task_checks import (box_masks, extension_checks, height_correlation, removal_checks,  # noqa: E402
                                   repaint_checks, replacement_checks)
 from training.toy_scene import COLOURS, HORIZON, sample_scene, visible_on  # noqa: E402
@@ -234,7 +235,8 @@ def main() -> int:
         truth = render(scene, width, height)
         t2va = pipe.generate(GenerateRequest(prompt=caption(scene), seed=i, steps=args.steps, width=width,
                                              height=height))
-        verdict = score_clip(t2va.frames.numpy(), np.asarray(t2va.audio), scene)["checks"]
+        scored = score_clip(t2va.frames.numpy(), np.asarray(t2va.audio), scene)
+        verdict = scored["checks"]
         fl2va = pipe.generate(GenerateRequest(prompt=caption(scene), seed=i, steps=args.steps, width=width,
                                               height=height, first_frame=truth.frames[0]))
         both = pipe.generate(GenerateRequest(prompt=caption(scene), seed=i, steps=args.steps, width=width,
@@ -251,7 +253,11 @@ def main() -> int:
                "fl2va_both_last_psnr": round(psnr(both.frames[-1].numpy(), truth.frames[-1]), 2),
                "vae_reconstruction_psnr": round(psnr(recon[:len(truth.frames)], truth.frames), 2),
                "bounce_height_correlation": [round(height_correlation(t2va.frames.numpy(), truth, k), 3)
-                                             for k, o in enumerate(scene.objects) if o.motion == "bounces"]}
+                                             for k, o in enumerate(scene.objects) if o.motion == "bounces"],
+               # the clicks check's pictures half: would the render's own knocks agree with the contacts drawn?
+               "t2va_contacts_agree_with_render_clicks": clicks_agree(
+                   sorted(f for k, v in scored["detected"].items() if k.endswith(".contacts") for f in v),
+                   list(truth.click_frames), len(truth.frames)) if truth.click_frames else None}
         rows.append(row)
         for name, ok in verdict.items():
             checks.setdefault(name, []).append(bool(ok))
@@ -269,6 +275,9 @@ def main() -> int:
                **{f"{k}_median": float(np.median([r[k] for r in rows])) for k in (
                    "fl2va_first_frame_psnr", "fl2va_both_first_psnr", "fl2va_both_last_psnr",
                    "vae_reconstruction_psnr")},
+               "t2va_contacts_agree_with_render_clicks": float(np.mean(
+                   [r["t2va_contacts_agree_with_render_clicks"] for r in rows
+                    if r["t2va_contacts_agree_with_render_clicks"] is not None] or [np.nan])),
                "t2va_bounce_height_correlation_median": float(np.median(
                    [c for r in rows for c in r["bounce_height_correlation"]] or [np.nan])),
                **shares(edits, "removal"), **shares(edits, "replace"), **shares(edits, "replace_kept_sound"),
