@@ -51,7 +51,7 @@ def scene_tracks(frames: np.ndarray, scene) -> list:
     return [track_colour(labels, o.colour) for o in scene.objects]
 
 
-def contacts(tracks: list) -> list[int]:
+def contacts(tracks: list) -> list[float]:
     """Every floor bounce and wall hit the scorer finds on these tracks."""
     return sorted(f for t in tracks for part in contact_frames(t, WIDTH, HEIGHT) for f in part)
 

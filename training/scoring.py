@@ -301,7 +301,7 @@ def _matched(frames_a: list[int], frames_b: list[int]) -> bool:
     return all(any(abs(a - b) <= CLICK_TOLERANCE_FRAMES for b in frames_b) for a in frames_a)
 
 
-def clicks_agree(contacts: list[int], clicks: list[int], num_frames: int) -> bool:
+def clicks_agree(contacts: list[float], clicks: list[int], num_frames: int) -> bool:
     """Every contact has a click within CLICK_TOLERANCE_FRAMES and every click a contact; a turn needs frames on
     both sides, so a click in the first or last REVERSAL_FRAMES need not show one."""
     judged = [f for f in clicks if REVERSAL_FRAMES <= f < num_frames - REVERSAL_FRAMES]
@@ -374,7 +374,7 @@ def score_clip(frames, audio, caption_or_scene: str | SceneDescription | Scene, 
 
     clicks = detect_clicks(audio, sample_rate, fps)
     found = sorted(f for c in contacts for f in c[0] + c[1])
-    detected["clicks"] = clicks
+    detected["clicks"], detected["contacts"] = clicks, found
     measured["clicks"], measured["contacts"] = len(clicks), len(found)
     if clicks or found or any(o.motion == "bounces" for o in description.objects):
         checks["clicks"] = clicks_agree(found, clicks, num_frames)
