@@ -90,11 +90,13 @@ def edit_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict]:
         truth, (gone, kept) = render(scene, width, height), scene.objects
         mask = box_masks(truth.masks[0])
         source = Source(truth.frames, audio=truth.audio)
-        removed = pipe.edit(EditRequest(source, mask, caption(replace(scene, objects=(kept,))), "remove", seed=i))
+        removed = pipe.edit(EditRequest(source, mask, caption(replace(scene, objects=(kept,))), "remove", seed=i,
+                                        steps=args.steps))
         colour = next(c for c in COLOURS if c not in (gone.colour, kept.colour) and visible_on(c, scene.background))
         new = replace(scene, objects=(replace(gone, shape="box", colour=colour), kept))
-        replaced = pipe.edit(EditRequest(source, mask, caption(new), "replace", audio_mask=1.0, seed=i))
-        kept_sound = pipe.edit(EditRequest(source, mask, caption(new), "replace", seed=i))
+        replaced = pipe.edit(EditRequest(source, mask, caption(new), "replace", audio_mask=1.0, seed=i,
+                                         steps=args.steps))
+        kept_sound = pipe.edit(EditRequest(source, mask, caption(new), "replace", seed=i, steps=args.steps))
         row = {"caption": caption(scene), "replacement": caption(new),
                "removal": removal_checks(removed.frames.numpy(), truth, 0, mask),
                "replace": replacement_checks(replaced.frames.numpy(), truth, 0, colour),
@@ -107,7 +109,7 @@ def edit_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict]:
         truth, sky = render(scene, width, height), sky_mask(scene, width, height)
         night = replace(scene, background="night")
         out = pipe.edit(EditRequest(Source(truth.frames, audio=truth.audio), sky.astype(np.float32), caption(night),
-                                    "repaint", strength=REPAINT_STRENGTH, seed=i))
+                                    "repaint", strength=REPAINT_STRENGTH, seed=i, steps=args.steps))
         row = {"caption": caption(scene), "repaint": repaint_checks(out.frames.numpy(), truth, sky, "night")}
         rows.append(row)
         print(f"repaint {i}: {row['repaint']['checks']}", flush=True)
@@ -122,7 +124,7 @@ def extension_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict
     for i, scene in enumerate(scenes_where(lambda s: True, EVAL_SEED + 3000, args.extensions, width, height)):
         source = render(scene, width, height)
         req = ExtendRequest(Source(source.frames, audio=source.audio), 10.0, [caption(scene)], window_seconds=5.0,
-                            seed=i)
+                            seed=i, steps=args.steps)
         F0 = len(source.frames)
         windows = plan_windows(F0, int(round(req.seconds * 24)), req.overlap_latents, 5 * 24 + 5)
         boundaries = [F0] + [w.start + w.frames for w in windows[:-1]]
@@ -205,7 +207,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--weights", type=Path, default=Path("engine/weights/toy"))
     p.add_argument("--captions", type=int, default=20)
-    p.add_argument("--steps", type=int, default=None, help="sigma grid points (default: the canvas's)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="sigma grid points of every task's sampling (default: the canvas's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--upscales", type=int, default=4, help="degraded clips for the SeedVR2 rows (1 s each)")
     p.add_argument("--edits", type=int, default=4, help="two-object clips for removal / replacement, and sky clips "
