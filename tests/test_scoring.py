@@ -5,7 +5,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine.models.h3.layout import FRAMES_PER_LATENT, latent_frames
+from engine.models.h3.mask import latent_frame_spans
 from training.captions import CaptionError, caption, describe
 from training.quality import delta_e76, mean_colour_lab, psnr, srgb_to_lab, ssim
 from training.scoring import ScoreInputError, detect_clicks, score_clip
@@ -110,11 +110,9 @@ def test_a_bounce_held_over_a_latents_frames_is_one_contact_at_its_middle(scenes
     clip = pick(scenes, lambda s: one(s, ("bounces",)))
 
     def held(offset):
-        frames, start = clip.frames.copy(), 0
-        for k in range(latent_frames(len(frames))):
-            span = FRAMES_PER_LATENT[k % 5]
-            frames[start:start + span] = clip.frames[start + offset(span)]
-            start += span
+        frames = clip.frames.copy()
+        for a, b in latent_frame_spans(len(frames)):
+            frames[a:b] = clip.frames[a + offset(b - a)]
         return score_clip(frames, clip.audio, clip.caption)
 
     middle = held(lambda span: span // 2)
