@@ -492,7 +492,7 @@ def test_later_windows_give_the_extension_steps_guides_from_mid_scene():
     from training.toy_world import render
 
     attention.set_backend("sdpa")
-    frames, audio, _, _, _, (later, later_audio, cover) = train.render_clip((5, 96, 64, 0.9, True))
+    frames, audio, _, _, _, (later, later_audio, cover, _) = train.render_clip((5, 96, 64, 0.9, True))
     whole = render(sample_scene(5, 96, 64), 96, 64, num_frames=train.MAX_FRAMES)
     start = next(s for s in range(train.MAX_FRAMES) if np.array_equal(whole.frames[s:s + len(frames)], later))
     assert start > 0 and later.shape == frames.shape and later_audio.shape == audio.shape
@@ -509,6 +509,62 @@ def test_later_windows_give_the_extension_steps_guides_from_mid_scene():
     later_rows = L.patchify(sample["later"]["video"][None])[0, :per_frame]
     own_rows = L.patchify(sample["video"][None])[0, :per_frame]
     assert (guides[0] - later_rows).abs().max() < 0.05 < (guides[0] - own_rows).abs().max()
+
+
+def test_a_later_window_is_prompted_with_what_it_shows_after_the_guide():
+    """A later window's prompt is `caption_at` its first new frame after the Extend node's default guide: past a
+    wall hit the mover goes the other way, and the scene's own caption would tell the extension steps the wrong
+    direction. The extension steps read that prompt; the other layouts the clip's own."""
+    import numpy as np
+
+    import training.train as train
+    from engine.kernels import attention
+    from training.captions import caption_at
+    from training.toy_scene import sample_scene
+    from training.toy_world import render
+
+    attention.set_backend("sdpa")
+    frames, _, told, _, _, (later, _, _, later_told) = train.render_clip((4, 96, 64, 0.9, True))
+    assert told == "a small blue triangle moves right on sand; rain falls"
+    assert later_told == "a small blue triangle moves left on sand; rain falls"
+    scene = sample_scene(4, 96, 64)
+    whole = render(scene, 96, 64, num_frames=train.MAX_FRAMES)
+    start = next(s for s in range(train.MAX_FRAMES) if np.array_equal(whole.frames[s:s + len(frames)], later))
+    assert later_told == caption_at(scene, (start + 22) / 24, 96, 64)
+
+    pipe = H3Pipeline.from_preset("tiny")
+    sample = train.prepare(pipe, train.toy_clips([4], 96, 64, 0.9, 1, later=True))[0]
+    expected, _ = pipe.conditioner.encode(later_told)
+    torch.testing.assert_close(sample["later"]["text"][()], expected[0].float())
+    texts = []
+    pipe.dit.register_forward_pre_hook(lambda _, args: texts.append(args[2][0]))
+    for task in ("extend", "t2va"):
+        train.dit_loss(pipe.dit, [sample], task, np.random.default_rng(0), torch.Generator().manual_seed(0))
+    torch.testing.assert_close(texts[0], sample["later"]["text"][()])
+    torch.testing.assert_close(texts[1], sample["text"][()])
+
+
+def test_the_cache_keeps_the_later_windows_prompts_and_refuses_one_without_them(tmp_path):
+    """`--cache`: a second run reads the later windows' prompts back with their tags on the host (the layouts are
+    built there); a cache written before the windows had prompts is refused with what to do."""
+    import pytest
+
+    import training.train as train
+
+    pipe = H3Pipeline.from_preset("tiny")
+    clips, cache = train.toy_clips([4], 96, 64, 0.9, 1, later=True), tmp_path / "c.pt"
+    made = train.encoded(pipe, clips, cache, later=True)[0]["later"]
+    read = train.encoded(pipe, None, cache, later=True)[0]["later"]
+    assert read["prompt"] == made["prompt"] == clips[0][5][3]
+    torch.testing.assert_close(read["text"][()], made["text"][()])
+    assert read["tags"][()].device.type == "cpu" and torch.equal(read["tags"][()], made["tags"][()])
+    stale = torch.load(cache)
+    for sample in stale:
+        for key in ("prompt", "text", "tags"):
+            del sample["later"][key]
+    torch.save(stale, cache)
+    with pytest.raises(SystemExit, match="with their prompts"):
+        train.encoded(pipe, None, cache, later=True)
 
 
 def test_compiled_blocks_train_as_the_eager_ones_and_the_dit_ends_eager(monkeypatch):
@@ -619,8 +675,9 @@ def test_keep_video_learns_the_sound_from_the_data_and_the_pictures_from_the_sta
         video, audio = gradients(task, ("video",))
         assert video == 0 and audio > 0, task
         assert gradients(task, ("video", "audio")) == (0, 0), task
-    video, audio = gradients("extend", ())
-    assert video > 0 and audio > 0
+    for task in ("extend", "t2va"):  # a layout in --dit-data-tasks learns the data, t2va too (not the teacher)
+        video, audio = gradients(task, ())
+        assert video > 0 and audio > 0, task
 
     start = copy.deepcopy(pipe.dit.state_dict())
     for options in ({"keep_video": True}, {"data_tasks": ("extend",)}):

@@ -40,14 +40,16 @@ from engine.models.h3.checkpoint import save_dit
 from engine.models.h3.conditioner import build_tiny_conditioner, text_encoder_file_tensors
 from engine.models.h3.config import TINY
 from engine.models.h3.denoise import Target, guided
+from engine.models.h3.extend import frames_of
 from engine.models.h3.dit import build_dit
 from engine.models.h3.pipeline import KEYFRAME_NOISE_AUG, TOY_FILES, Canvas, GenerateRequest, H3Pipeline
 from engine.models.h3.references import AudioReference, ImageReference, normalise_image
+from engine.models.h3.request import ExtendRequest
 from engine.models.h3.schedule import AUDIO_SHIFT, VIDEO_SHIFT
 from engine.models.h3.vae import (IMAGENET_MEAN, IMAGENET_STD, TINY_TILE_OVERLAP, TINY_TILE_SIZE, TOY_AUDIO_VAE,
                                   TOY_VIDEO_VAE, AudioVAE, VideoVAE, build_tiny_audio_vae, build_tiny_video_vae,
                                   save_audio_vae_file, save_video_vae_file)
-from training.captions import caption, parse_caption
+from training.captions import caption, caption_at, parse_caption
 from training.scoring import score_clip
 from training.task_checks import box_masks
 from training.text_encoder import train_text_encoder
@@ -114,15 +116,18 @@ def object_tracks(masks: np.ndarray) -> np.ndarray:
     return np.stack(tracks).astype(np.float16)
 
 
-def later_window(scene, width: int, height: int, num_frames: int, seed: int) -> tuple[np.ndarray, ...]:
-    """(frames, audio, object cover) of `num_frames` of the scene from a start frame drawn from `seed` (anywhere the
-    window still ends by 15 s): a clip starts with its objects in their slots, while an extension's guide shows them
-    mid-path, near a wall, or past one."""
+def later_window(scene, width: int, height: int, num_frames: int, seed: int) -> tuple:
+    """(frames, audio, object cover, caption) of `num_frames` of the scene from a start frame drawn from `seed`
+    (anywhere the window still ends by 15 s): a clip starts with its objects in their slots, while an extension's
+    guide shows them mid-path, near a wall, or past one. The caption says what the window shows from its first new
+    frame after the Extend node's default guide (`caption_at`: a mover past an odd number of wall hits goes the
+    other way), as an artist prompts each window; the scene's own caption would name the wrong direction there."""
     start = int(np.random.default_rng((seed, LATER_STREAM)).integers(0, MAX_FRAMES - num_frames + 1))
     clip = render(scene, width, height, num_frames=start + num_frames)
     first = round(start / FPS * SAMPLE_RATE)
     audio = clip.audio[:, first:first + round(num_frames / FPS * SAMPLE_RATE)]
-    return clip.frames[start:], audio, object_cover(clip.masks[:, start:])
+    told = caption_at(scene, (start + frames_of(ExtendRequest.overlap_latents)) / FPS, width, height)
+    return clip.frames[start:], audio, object_cover(clip.masks[:, start:]), told
 
 
 def render_clip(args: tuple[int, int, int, float, bool]) -> tuple:
@@ -491,8 +496,8 @@ def edit_rows(batch: list[dict], T: int, h: int, w: int, patch, rng, tracks: flo
 def extension_rows(T: int, rng) -> tuple[int, int, float]:
     """An extension window's guide: (overlap latents 5k + 2, its audio latents, the window's start frame)."""
     overlap = int(rng.choice([2, 7]))
-    frames = (overlap - 2) // 5 * 17 + 5
-    return overlap, round(frames * L.AUDIO_LATENTS_PER_SECOND / L.FPS), float(rng.integers(0, 15 * L.FPS))
+    audio = round(frames_of(overlap) * L.AUDIO_LATENTS_PER_SECOND / L.FPS)
+    return overlap, audio, float(rng.integers(0, 15 * L.FPS))
 
 
 def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, caption_drop: float = 0.0,
@@ -506,11 +511,11 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     level and, an `edit_kept_sound` share of the time, the batch's next clip's sound clean at timestep 1 and not
     scored (what a Masked Edit that keeps the source's sound feeds) (edit), the window's first latents noised to the
     condition level with its clean audio, on a shifted clock (extension; the window is the clip's later one when it
-    has one), an image reference (the clip's middle frame at the reference size) noised likewise and a clean sound
-    reference (its first seconds), the prompt presenting both (ref2va). With a `teacher`, a DISTILLED_TASKS layout's
-    target is its velocity guided by `guidance` (engine/models/h3/denoise.py), else the flow's, with a `caption_drop` share
-    of the prompts zeroed; `keep` ("video", "audio"): those rows' target is the `teacher`'s own velocity on the same
-    rows.
+    has one, with its own prompt), an image reference (the clip's middle frame at the reference size) noised likewise
+    and a clean sound reference (its first seconds), the prompt presenting both (ref2va). With a `teacher` and a
+    `guidance` other than 1, a DISTILLED_TASKS layout's target is its velocity guided by `guidance`
+    (engine/models/h3/denoise.py), else the flow's, with a `caption_drop` share of the prompts zeroed; `keep`
+    ("video", "audio"): those rows' target is the `teacher`'s own velocity on the same rows.
     The noise comes from `noise_gen` (a generator on the device: drawn on the host, a batch's noise costs more than
     its step) or else `gen`."""
     device = batch[0]["video"].device
@@ -519,7 +524,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     x0a = L.pack_audio(torch.stack([b["audio"] for b in clips]))
     keyframes = {"first": ("first",), "first_last": ("first", "last")}.get(task, ())
     presentation = "ref2va" if task == "ref2va" else keyframes  # what the prompt carries
-    text, tags = torch.stack([b["text"][presentation] for b in batch]), batch[0]["tags"][presentation]
+    text, tags = torch.stack([c["text"][presentation] for c in clips]), clips[0]["tags"][presentation]
     _, _, T, h, w = batch[0]["video"][None].shape
     Ta = batch[0]["audio"].shape[-1]
     patch = dit.config.patch_size[1:]
@@ -573,7 +578,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     video, audio = torch.cat([cond_v, xv], dim=1), torch.cat([cond_a, xa], dim=1)
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
     # flow matching; the dropped captions teach the unconditional branch
-    if teacher is None or task not in DISTILLED_TASKS or keep:
+    if teacher is None or guidance == 1 or task not in DISTILLED_TASKS or keep:
         kept = (torch.rand(len(batch), generator=gen) >= caption_drop).to(device, text.dtype)
         text = text * kept[:, None, None]
         target_v, target_a = x0v - ev, x0a - ea
@@ -641,8 +646,8 @@ def prepare(pipe: H3Pipeline, clips, batch: int = 64) -> list[dict]:
                 video = encode_clips(pipe.video_vae, np.stack([c[5][0] for c in group]))
                 audio = encode_sounds(pipe.audio_vae, np.stack([c[5][1] for c in group]))
                 for j, clip in enumerate(group):
-                    out[i + j]["later"] = {"video": video[j], "audio": audio[j],
-                                           "weight": token_weight(clip[5][2], pipe.device)}
+                    out[i + j]["later"] = {"video": video[j], "audio": audio[j], "prompt": clip[5][3],
+                                           "text": {}, "tags": {}, "weight": token_weight(clip[5][2], pipe.device)}
         for indices in by_caption_length(pipe, out):
             for start in range(0, len(indices), 64):
                 part = indices[start:start + 64]
@@ -651,6 +656,11 @@ def prepare(pipe: H3Pipeline, clips, batch: int = 64) -> list[dict]:
                                                                [[clips[k][0][f] for f in picked] for k in part])
                     for k, hidden in zip(part, text):
                         out[k]["text"][keyframes], out[k]["tags"][keyframes] = hidden.float(), tags
+                if "later" in out[part[0]]:
+                    windows = [out[k]["later"] for k in part]
+                    text, tags = pipe.conditioner.encode_batch([w["prompt"] for w in windows], [[] for _ in part])
+                    for window, hidden in zip(windows, text):
+                        window["text"][()], window["tags"][()] = hidden.float(), tags
         for sample in out:  # one prompt at a time: the presentation of its references
             text, tags = pipe.conditioner.encode_references(
                 sample["prompt"], [ImageReference(sample.pop("picture")), AudioReference(sample.pop("sound"))])
@@ -687,10 +697,12 @@ def encoded(pipe: H3Pipeline, clips, cache: Path | None, later: bool = False) ->
     if cache is not None and cache.is_file():
         data = torch.load(cache, map_location=pipe.device)
         for sample in data:  # the layouts' tags stay on the host, as `prepare` made them
-            sample["tags"] = {k: v.cpu() for k, v in sample["tags"].items()}
-        if "tracks" not in data[0] or (later and "later" not in data[0]):
+            for part in (sample, sample.get("later", {})):
+                if "tags" in part:
+                    part["tags"] = {k: v.cpu() for k, v in part["tags"].items()}
+        if "tracks" not in data[0] or (later and "prompt" not in data[0].get("later", {})):
             raise SystemExit(f"{cache} lacks what this run trains on (the objects' edit tracks, or the later windows "
-                             "--later-windows asks for); delete it and run again to re-encode.")
+                             "--later-windows asks for, with their prompts); delete it and run again to re-encode.")
         if clips is None or len(data) == len(clips):
             return data
     data = prepare(pipe, clips)
@@ -700,10 +712,11 @@ def encoded(pipe: H3Pipeline, clips, cache: Path | None, later: bool = False) ->
 
 
 def by_caption_length(pipe: H3Pipeline, data: list[dict]) -> list[list[int]]:
-    """Clip indices grouped by their prompt's token count (one layout per group)."""
-    groups: dict[int, list[int]] = {}
+    """Clip indices grouped by their prompt's token count, and their later window's (one layout per group)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
     for i, sample in enumerate(data):
-        groups.setdefault(len(pipe.conditioner._text(sample["prompt"])), []).append(i)
+        prompts = [sample["prompt"]] + ([sample["later"]["prompt"]] if "later" in sample else [])
+        groups.setdefault(tuple(len(pipe.conditioner._text(p)) for p in prompts), []).append(i)
     return list(groups.values())
 
 
@@ -916,7 +929,8 @@ def main(argv=None) -> int:
                         "rows): e.g. extend taught while every other task stays as it was")
     p.add_argument("--later-windows", action="store_true",
                    help="every clip also gets a window of its scene from a random later start (up to 15 s), and "
-                        "the extension steps train on those: guides with objects mid-path or past a wall hit")
+                        "the extension steps train on those: guides with objects mid-path or past a wall hit, each "
+                        "window prompted with what it shows after its guide (training.captions.caption_at)")
     p.add_argument("--vae-temporal-weight", type=float, default=0.0,
                    help="video decoder: weight of the frame-to-frame change's error beside the frames' own")
     p.add_argument("--vae-seam-weight", type=float, default=0.0,

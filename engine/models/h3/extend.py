@@ -135,7 +135,7 @@ def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
                                                   cond_video=cond_video, cond_audio=cond_audio)
         window_latents = L.unpatchify(video_rows, T_w, h, w, cfg.patch_size).cpu()
         new_audio = L.unpack_audio(audio_rows)[0][:, :, audio.shape[-1] - window.audio_start:].cpu()
-        F_prev, Ta_prev = _frames_of(latents.shape[2]), audio.shape[-1]
+        F_prev, Ta_prev = frames_of(latents.shape[2]), audio.shape[-1]
         # Decoded from the context chunk on, with the regenerated overlap in place of the kept tail: the new frames'
         # own past as the VAE's context
         start, kept = 5 * _context_chunk(F_prev), latents.shape[2] - ov
@@ -157,7 +157,8 @@ def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
                           {"total_s": time.perf_counter() - t0, "windows": float(len(windows))})
 
 
-def _frames_of(num_latents: int) -> int:
+def frames_of(num_latents: int) -> int:
+    """Pixel frames of 5k + 2 latent frames (a clip, or an extension's guide)."""
     return (num_latents - 2) // 5 * 17 + 5
 
 
