@@ -40,8 +40,8 @@ from engine.models.h3.checkpoint import save_dit
 from engine.models.h3.conditioner import build_tiny_conditioner, text_encoder_file_tensors
 from engine.models.h3.config import TINY
 from engine.models.h3.denoise import Target, guided
-from engine.models.h3.extend import frames_of
 from engine.models.h3.dit import build_dit
+from engine.models.h3.extend import frames_of
 from engine.models.h3.pipeline import KEYFRAME_NOISE_AUG, TOY_FILES, Canvas, GenerateRequest, H3Pipeline
 from engine.models.h3.references import AudioReference, ImageReference, normalise_image
 from engine.models.h3.request import ExtendRequest
