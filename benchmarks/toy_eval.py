@@ -2,7 +2,8 @@
 (training/scoring.py): t2va over captions of held-out scenes (colour, motion, background, pitch, clicks, rain; the
 share of clips passing each check, all of them, and the issue's four named ones; for each bouncer, how closely its
 height follows the render's; where the render clicks, whether the contacts drawn agree with its clicks: the clicks
-check's pictures half) and fl2va (PSNR of generated frame 0 against the rendered first frame, and of the last
+check's pictures half; the issue's clicks number over the bouncing captions alone, and the share of the others where
+knocks are heard) and fl2va (PSNR of generated frame 0 against the rendered first frame, and of the last
 frame when both keyframes are given), the video VAE's reconstruction and the t2va checks on each clip round-tripped
 through both VAEs (the most a DiT can reach), masked edits of two-object clips (removal, replacement, sky repaint)
 and 5 s -> 15 s extensions (training/task_checks.py; each window prompted with what the scene shows from its start;
@@ -157,6 +158,22 @@ def shares(rows: list[dict], task: str) -> dict:
             **{f"{task}_{k}": float(np.mean([c[k] for c in scored if k in c])) for k in names}}
 
 
+def click_fields(scene, scored: dict) -> dict:
+    """What a t2va row keeps of the clicks: whether the caption names a bouncer, the knocks heard and the contacts
+    drawn (frames)."""
+    return {"bounces": any(o.motion == "bounces" for o in scene.objects), "knocks": scored["detected"]["clicks"],
+            "contacts": scored["detected"]["contacts"]}
+
+
+def click_shares(rows: list[dict]) -> dict:
+    """Issue 18's clicks number: the share of captions with a bouncer whose clicks agree with the contacts drawn;
+    and the share of the captions without one where knocks are heard (a knock drawn whatever the prompt says)."""
+    bouncing = [r for r in rows if r["bounces"]]
+    others = [r for r in rows if not r["bounces"]]
+    return {"t2va_clicks_of_bouncing": float(np.mean([r["checks"]["clicks"] for r in bouncing] or [np.nan])),
+            "t2va_knocks_without_bounce": float(np.mean([bool(r["knocks"]) for r in others] or [np.nan]))}
+
+
 def upscale_rows(args, width: int, height: int) -> dict:
     """SeedVR2 ("toy") on degraded half-size clips (train_seedvr2.degrade) up to the full canvas, vs bicubic."""
     if not args.upscales:
@@ -250,6 +267,7 @@ def main() -> int:
         roundtrip = score_clip(recon[:len(truth.frames)], sound[:, :truth.audio.shape[1]], scene)["checks"]
         row = {"caption": caption(scene), "checks": verdict, "passed": all(verdict.values()),
                "named_passed": all(verdict[k] for k in NAMED_CHECKS if k in verdict),
+               **click_fields(scene, scored),
                "vae_roundtrip_named_passed": all(roundtrip[k] for k in NAMED_CHECKS if k in roundtrip),
                "fl2va_first_frame_psnr": round(psnr(fl2va.frames[0].numpy(), truth.frames[0]), 2),
                "fl2va_both_first_psnr": round(psnr(both.frames[0].numpy(), truth.frames[0]), 2),
@@ -281,6 +299,7 @@ def main() -> int:
                "t2va_contacts_agree_with_render_clicks": float(np.mean(
                    [r["t2va_contacts_agree_with_render_clicks"] for r in rows
                     if r["t2va_contacts_agree_with_render_clicks"] is not None] or [np.nan])),
+               **click_shares(rows),
                "t2va_bounce_height_correlation_median": float(np.median(
                    [c for r in rows for c in r["bounce_height_correlation"]] or [np.nan])),
                **shares(edits, "removal"), **shares(edits, "replace"), **shares(edits, "replace_kept_sound"),
