@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 
-# What the toy default shows well (every scored check passes); it does not make a ball bounce yet.
+# What the toy default shows best (every scored check passes; its bouncers knock, but a small DiT draws them rougher).
 DEMO_PROMPT = "a large red ball moves right on green grass under a blue sky, humming"
 
 

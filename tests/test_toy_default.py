@@ -3,9 +3,9 @@ the real client, scored from the returned frames and sound alone (training/scori
 subset of issue 18's tables (`benchmarks/toy_eval.py` runs 20 captions and every task).
 
 The first six held-out scenes (EVAL_SEED on, never trained on) with toy_eval's seeds. What the committed weights
-reach on them is asserted as a floor, so a worse default fails; the issue's own t2va criterion (85 % of captions
-pass the named colour, motion, background and hum pitch) is a strict xfail until the DiT reaches it. Beside them:
-fl2va's first frame, a sky repainted at night and the join of an extension to its source.
+reach on them is asserted as a floor, so a worse default fails, and the issue's own t2va criterion (85 % of captions
+pass the named colour, motion, background and hum pitch) as it is; the clicks of the two that bounce as a floor.
+Beside them: fl2va's first frame, a sky repainted at night and the join of an extension to its source.
 """
 
 import asyncio
@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from benchmarks.toy_eval import REPAINT_STRENGTH, scenes_where, sky_mask
+from benchmarks.toy_eval import REPAINT_STRENGTH, click_fields, click_shares, scenes_where, sky_mask
 from engine_fixture import start_engine
 from training.captions import caption
 from training.quality import psnr
@@ -45,16 +45,18 @@ def run(engine, task: str, params: dict, tensors=None):
 
 @pytest.fixture(scope="module")
 def t2va(engine, scenes) -> list[dict]:
-    """Each held-out caption's checks, generated as toy_eval does (seed = its index, the canvas's steps)."""
-    checks = []
+    """Each held-out caption's checks, knocks and contacts, generated as toy_eval does (seed = its index, the
+    canvas's steps)."""
+    rows = []
     for i, scene in enumerate(scenes):
         result = run(engine, "t2va", {"prompt": caption(scene), "seed": i})
-        checks.append(score_clip(result.frames, result.audio, scene)["checks"])
-    return checks
+        scored = score_clip(result.frames, result.audio, scene)
+        rows.append({"checks": scored["checks"], **click_fields(scene, scored)})
+    return rows
 
 
-def share(checks: list[dict], name: str) -> float:
-    judged = [c[name] for c in checks if name in c]
+def share(rows: list[dict], name: str) -> float:
+    judged = [r["checks"][name] for r in rows if name in r["checks"]]
     return sum(judged) / len(judged)
 
 
@@ -71,11 +73,17 @@ def test_t2va_shows_the_named_colour_and_motion_in_some_captions(t2va):
     assert share(t2va, "motion") >= 4 / 6, t2va
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: the toy DiT passes the named checks in 19 of toy_eval's 20 "
-                                       "captions (33 of 40) and in 5 of these 6 (target 85 %)")
 def test_t2va_passes_the_issues_named_checks_in_85_percent_of_captions(t2va):
-    passed = [all(c[k] for k in NAMED_CHECKS if k in c) for c in t2va]
+    passed = [all(r["checks"][k] for k in NAMED_CHECKS if k in r["checks"]) for r in t2va]
     assert sum(passed) >= 0.85 * len(passed), t2va
+
+
+def test_t2va_knocks_where_it_draws_a_bounce_and_nowhere_else(t2va):
+    """Of the two bouncing captions (2 and 3) this CPU knocks within 2 frames of every contact drawn in both, the
+    H100 in one (caption 2 draws no contact at 47); the four others are silent of knocks. Before stop 64 the DiT
+    knocked nowhere. Issue 18's number (80 % of toy_eval's 10 bouncing captions of 40) is the benchmark's."""
+    shares = click_shares(t2va)
+    assert shares["t2va_clicks_of_bouncing"] >= 0.5 and shares["t2va_knocks_without_bounce"] == 0, t2va
 
 
 def test_fl2va_starts_on_the_given_first_frame(engine, scenes):

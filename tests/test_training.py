@@ -492,7 +492,7 @@ def test_later_windows_give_the_extension_steps_guides_from_mid_scene():
     from training.toy_world import render
 
     attention.set_backend("sdpa")
-    frames, audio, _, _, _, (later, later_audio, cover, _) = train.render_clip((5, 96, 64, 0.9, True))
+    frames, audio, _, _, _, (later, later_audio, cover, _, _), _ = train.render_clip((5, 96, 64, 0.9, True))
     whole = render(sample_scene(5, 96, 64), 96, 64, num_frames=train.MAX_FRAMES)
     start = next(s for s in range(train.MAX_FRAMES) if np.array_equal(whole.frames[s:s + len(frames)], later))
     assert start > 0 and later.shape == frames.shape and later_audio.shape == audio.shape
@@ -524,7 +524,7 @@ def test_a_later_window_is_prompted_with_what_it_shows_after_the_guide():
     from training.toy_world import render
 
     attention.set_backend("sdpa")
-    frames, _, told, _, _, (later, _, _, later_told) = train.render_clip((4, 96, 64, 0.9, True))
+    frames, _, told, _, _, (later, _, _, later_told, _), _ = train.render_clip((4, 96, 64, 0.9, True))
     assert told == "a small blue triangle moves right on sand; rain falls"
     assert later_told == "a small blue triangle moves left on sand; rain falls"
     scene = sample_scene(4, 96, 64)
@@ -692,3 +692,32 @@ def test_keep_video_learns_the_sound_from_the_data_and_the_pictures_from_the_sta
                         torch.Generator().manual_seed(0), [sample_scene(0, 96, 64)], 1000, 1e-3, max_steps=4,
                         **options)
         assert losses[-1] < losses[0], (options, losses)
+
+
+def test_the_knock_weight_counts_the_audio_rows_at_a_contact():
+    """`knocks` marks the audio latents around each click the render made (the click's loudest sample falls in the
+    marked span), and the knock weight changes a bouncer's loss but not that of a clip with no contact."""
+    import numpy as np
+
+    import training.train as train
+    from engine.kernels import attention
+    from engine.models.h3 import layout as L
+    from training.scoring import click_band
+
+    attention.set_backend("sdpa")
+    clips = train.toy_clips(range(40), 96, 64, 0.9, 1)
+    bouncer = next(c for c in clips if c[6])
+    still = next(c for c in clips if not c[6])
+    pipe = H3Pipeline.from_preset("tiny")
+    bouncing, calm = train.prepare(pipe, [bouncer, still])
+    marked = np.flatnonzero(bouncing["knocks"].numpy())
+    loudest = np.abs(click_band(bouncer[1], 32000)).argmax() / 32000 * L.AUDIO_LATENTS_PER_SECOND
+    assert 0 < len(marked) <= 5 and marked.min() <= loudest < marked.max() + 1, (marked, loudest)
+    assert not calm["knocks"].any()
+
+    def loss(sample, weight):
+        return float(train.dit_loss(pipe.dit, [sample], "t2va", np.random.default_rng(0),
+                                    torch.Generator().manual_seed(0), knock_weight=weight))
+
+    assert loss(calm, 0) == pytest.approx(loss(calm, 20), rel=1e-6)
+    assert loss(bouncing, 0) != pytest.approx(loss(bouncing, 20), rel=1e-3)

@@ -78,6 +78,9 @@ TOKEN_PX = 32  # a DiT video token's square of pixels: the video VAE's 16x times
 # A video token's loss weight is 1 + OBJECT_WEIGHT x the share of it the objects cover: the objects are ~3 % of
 # the tokens, so an unweighted loss learns the background and leaves them as blobs.
 OBJECT_WEIGHT = 8.0
+# `--dit-knock-weight W`: an audio row's loss weight is 1 + W within KNOCK_SPAN_S of a contact. A knock lasts ~20 ms,
+# 4 of a 5 s clip's 200 audio latents, and the DiTs trained on the plain mean drew none (stops 41-62).
+KNOCK_SPAN_S = 0.05
 OBJECT_DILATE = 2  # a VAE's pixel loss is weighted 1 + OBJECT_WEIGHT within this many pixels of an object
 FINISH_S = 30  # of --minutes kept for the last evaluation and the files
 VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of the temporal chunking
@@ -103,6 +106,13 @@ def object_cover(masks: np.ndarray) -> np.ndarray:
     return grid.astype(np.float16).ravel()
 
 
+def knock_rows(click_frames, num_latents: int) -> np.ndarray:
+    """float16 [Ta]: 1 on the audio latents whose middle lies within KNOCK_SPAN_S of a click (frames), else 0."""
+    middles = (np.arange(num_latents) + 0.5) / L.AUDIO_LATENTS_PER_SECOND
+    clicks = np.asarray(click_frames, np.float64)[:, None] / FPS
+    return (np.abs(middles - clicks) <= KNOCK_SPAN_S).any(0).astype(np.float16)
+
+
 def object_tracks(masks: np.ndarray) -> np.ndarray:
     """bool [K, F, H, W] object masks -> float16 [K, T * gh * gw]: the DiT rows an edit regenerates when an artist
     boxes each object with Mask Track Box: any token square of its padded box in any frame of the latent frame's
@@ -117,27 +127,29 @@ def object_tracks(masks: np.ndarray) -> np.ndarray:
 
 
 def later_window(scene, width: int, height: int, num_frames: int, seed: int) -> tuple:
-    """(frames, audio, object cover, caption) of `num_frames` of the scene from a start frame drawn from `seed`
-    (anywhere the window still ends by 15 s): a clip starts with its objects in their slots, while an extension's
-    guide shows them mid-path, near a wall, or past one. The caption says what the window shows from its first new
-    frame after the Extend node's default guide (`caption_at`: a mover past an odd number of wall hits goes the
-    other way), as an artist prompts each window; the scene's own caption would name the wrong direction there."""
+    """(frames, audio, object cover, caption, click frames) of `num_frames` of the scene from a start frame drawn
+    from `seed` (anywhere the window still ends by 15 s): a clip starts with its objects in their slots, while an
+    extension's guide shows them mid-path, near a wall, or past one. The caption says what the window shows from its
+    first new frame after the Extend node's default guide (`caption_at`: a mover past an odd number of wall hits goes
+    the other way), as an artist prompts each window; the scene's own caption would name the wrong direction there."""
     start = int(np.random.default_rng((seed, LATER_STREAM)).integers(0, MAX_FRAMES - num_frames + 1))
     clip = render(scene, width, height, num_frames=start + num_frames)
     first = round(start / FPS * SAMPLE_RATE)
     audio = clip.audio[:, first:first + round(num_frames / FPS * SAMPLE_RATE)]
     told = caption_at(scene, (start + frames_of(ExtendRequest.overlap_latents)) / FPS, width, height)
-    return clip.frames[start:], audio, object_cover(clip.masks[:, start:]), told
+    clicks = tuple(f - start for f in clip.click_frames if f >= start)
+    return clip.frames[start:], audio, object_cover(clip.masks[:, start:]), told, clicks
 
 
 def render_clip(args: tuple[int, int, int, float, bool]) -> tuple:
-    """(frames, audio, caption, object cover per DiT token, each object's edit track, a `later_window` or None) of
-    one toy scene."""
+    """(frames, audio, caption, object cover per DiT token, each object's edit track, a `later_window` or None,
+    click frames) of one toy scene."""
     seed, width, height, seconds, later = args
     scene = sample_scene(seed, width, height)
     clip = render(scene, width, height, seconds)
     window = later_window(scene, width, height, len(clip.frames), seed) if later else None
-    return clip.frames, clip.audio, clip.caption, object_cover(clip.masks), object_tracks(clip.masks), window
+    return (clip.frames, clip.audio, clip.caption, object_cover(clip.masks), object_tracks(clip.masks), window,
+            clip.click_frames)
 
 
 def rendered(work, jobs: list[tuple], workers: int) -> list:
@@ -503,7 +515,7 @@ def extension_rows(T: int, rng) -> tuple[int, int, float]:
 def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, caption_drop: float = 0.0,
              teacher=None, guidance: float = 1.0, video_shift: float = VIDEO_SHIFT,
              noise_gen: torch.Generator | None = None, edit_tracks: float = 0.0,
-             edit_kept_sound: float = 0.0, keep: tuple[str, ...] = ()) -> torch.Tensor:
+             edit_kept_sound: float = 0.0, keep: tuple[str, ...] = (), knock_weight: float = 0.0) -> torch.Tensor:
     """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
@@ -515,7 +527,8 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     and a clean sound reference (its first seconds), the prompt presenting both (ref2va). With a `teacher` and a
     `guidance` other than 1, a DISTILLED_TASKS layout's target is its velocity guided by `guidance`
     (engine/models/h3/denoise.py), else the flow's, with a `caption_drop` share of the prompts zeroed; `keep`
-    ("video", "audio"): those rows' target is the `teacher`'s own velocity on the same rows.
+    ("video", "audio"): those rows' target is the `teacher`'s own velocity on the same rows. The audio rows near a
+    contact weigh 1 + `knock_weight`.
     The noise comes from `noise_gen` (a generator on the device: drawn on the host, a batch's noise costs more than
     its step) or else `gen`."""
     device = batch[0]["video"].device
@@ -599,7 +612,9 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     video_loss = (v_err * weight).sum() / weight.sum().clamp(min=1)
     if sound_given:
         return video_loss
-    return video_loss + F.mse_loss(a_out[:, cond_a.shape[1]:].float(), target_a)
+    a_err = (a_out[:, cond_a.shape[1]:].float() - target_a).pow(2).mean(-1)
+    a_weight = 1 + knock_weight * torch.stack([b["knocks"] for b in clips]).repeat(1, x0a.shape[1] // Ta)
+    return video_loss + (a_err * a_weight).sum() / a_weight.sum()
 
 
 @torch.no_grad()
@@ -612,6 +627,10 @@ def encode_clips(vae: VideoVAE, frames: np.ndarray) -> torch.Tensor:
 
 def token_weight(cover: np.ndarray, device) -> torch.Tensor:
     return 1 + OBJECT_WEIGHT * torch.from_numpy(cover).to(device).float()
+
+
+def knocks(click_frames, num_latents: int, device) -> torch.Tensor:
+    return torch.from_numpy(knock_rows(click_frames, num_latents)).to(device).float()
 
 
 def encode_sounds(vae: AudioVAE, sounds: np.ndarray) -> torch.Tensor:
@@ -641,13 +660,15 @@ def prepare(pipe: H3Pipeline, clips, batch: int = 64) -> list[dict]:
                 out.append({"video": video[j], "audio": audio[j], "first": first[j], "last": last[j],
                             "reference": reference[j], "picture": pictures[j], "sound": clip[1],
                             "prompt": clip[2], "text": {}, "tags": {}, "weight": token_weight(clip[3], pipe.device),
-                            "tracks": torch.from_numpy(clip[4]).to(pipe.device).float()})
+                            "tracks": torch.from_numpy(clip[4]).to(pipe.device).float(),
+                            "knocks": knocks(clip[6], audio.shape[-1], pipe.device)})
             if group[0][5] is not None:
                 video = encode_clips(pipe.video_vae, np.stack([c[5][0] for c in group]))
                 audio = encode_sounds(pipe.audio_vae, np.stack([c[5][1] for c in group]))
                 for j, clip in enumerate(group):
                     out[i + j]["later"] = {"video": video[j], "audio": audio[j], "prompt": clip[5][3],
-                                           "text": {}, "tags": {}, "weight": token_weight(clip[5][2], pipe.device)}
+                                           "text": {}, "tags": {}, "weight": token_weight(clip[5][2], pipe.device),
+                                           "knocks": knocks(clip[5][4], audio.shape[-1], pipe.device)}
         for indices in by_caption_length(pipe, out):
             for start in range(0, len(indices), 64):
                 part = indices[start:start + 64]
@@ -765,7 +786,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
               eval_guidance=(), compile: bool = False, bounce_boost: float = 1.0,
               edit_tracks: float = 0.0, two_object_boost: float = 1.0, edit_kept_sound: float = 0.0,
               tasks: dict[str, float] = TASKS, extend_caption_drop: float | None = None,
-              keep_video: bool = False, data_tasks: tuple[str, ...] | None = None) -> None:
+              keep_video: bool = False, data_tasks: tuple[str, ...] | None = None, knock_weight: float = 0.0) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
     exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
     `compile` runs the blocks of the training steps through torch.compile, one block at a time (dynamic shapes; the
@@ -780,7 +801,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     through the attention the audio rows share with the video's (stop 56: the audio rows' own weights alone, with
     that attention frozen, drew no knock in 778 steps and still lost a removal). `data_tasks`: only these layouts
     learn from the data, every other one the DiT as it starts (both rows), so what those do stays while these are
-    taught."""
+    taught. `knock_weight`: the audio rows near a contact weigh that much more (KNOCK_SPAN_S)."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
     kept_by_teacher = keep_video or data_tasks is not None
@@ -817,7 +838,8 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
         dropped = extend_caption_drop if task == "extend" and extend_caption_drop is not None else caption_drop
         keep = ("video",) if keep_video else ("video", "audio") if data_tasks and task not in data_tasks else ()
         loss = dit_loss(dit, [data[i] for i in picks], task, step_rng, gen, dropped, teacher, guidance,
-                        pipe.video_shift, None if max_steps else noise_gen, edit_tracks, edit_kept_sound, keep)
+                        pipe.video_shift, None if max_steps else noise_gen, edit_tracks, edit_kept_sound, keep,
+                        knock_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -927,6 +949,8 @@ def main(argv=None) -> int:
     p.add_argument("--dit-data-tasks", nargs="+", choices=list(TASKS), default=None, metavar="TASK",
                    help="only these layouts learn from the data, the others the starting DiT's own prediction (both "
                         "rows): e.g. extend taught while every other task stays as it was")
+    p.add_argument("--dit-knock-weight", type=float, default=0.0, metavar="W",
+                   help="the DiT's audio rows within KNOCK_SPAN_S of a contact weigh 1 + W in its loss")
     p.add_argument("--later-windows", action="store_true",
                    help="every clip also gets a window of its scene from a random later start (up to 15 s), and "
                         "the extension steps train on those: guides with objects mid-path or past a wall hit, each "
@@ -1028,7 +1052,7 @@ def main(argv=None) -> int:
                   2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
                   args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost,
                   args.edit_tracks, args.two_object_boost, args.edit_kept_sound, task_shares(args.task_share),
-                  args.extend_caption_drop, args.dit_keep_video, args.dit_data_tasks)
+                  args.extend_caption_drop, args.dit_keep_video, args.dit_data_tasks, args.dit_knock_weight)
         save_compiled(args.compile_cache if args.compile else None)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
