@@ -106,11 +106,11 @@ def object_cover(masks: np.ndarray) -> np.ndarray:
     return grid.astype(np.float16).ravel()
 
 
-def knock_rows(click_frames, num_latents: int) -> np.ndarray:
-    """float16 [Ta]: 1 on the audio latents whose middle lies within KNOCK_SPAN_S of a click (frames), else 0."""
+def knock_rows(click_frames, num_latents: int, device) -> torch.Tensor:
+    """[Ta]: 1 on the audio latents whose middle lies within KNOCK_SPAN_S of a click (frames), else 0."""
     middles = (np.arange(num_latents) + 0.5) / L.AUDIO_LATENTS_PER_SECOND
     clicks = np.asarray(click_frames, np.float64)[:, None] / FPS
-    return (np.abs(middles - clicks) <= KNOCK_SPAN_S).any(0).astype(np.float16)
+    return torch.from_numpy((np.abs(middles - clicks) <= KNOCK_SPAN_S).any(0)).to(device).float()
 
 
 def object_tracks(masks: np.ndarray) -> np.ndarray:
@@ -629,10 +629,6 @@ def token_weight(cover: np.ndarray, device) -> torch.Tensor:
     return 1 + OBJECT_WEIGHT * torch.from_numpy(cover).to(device).float()
 
 
-def knocks(click_frames, num_latents: int, device) -> torch.Tensor:
-    return torch.from_numpy(knock_rows(click_frames, num_latents)).to(device).float()
-
-
 def encode_sounds(vae: AudioVAE, sounds: np.ndarray) -> torch.Tensor:
     """float32 [B, 2, S] -> normalised latents [B, 2, C, Ta], each channel encoded alone (as the engine does)."""
     audio = vae.model.encode(torch.from_numpy(sounds).to(vae.device).flatten(0, 1)[:, None],
@@ -661,14 +657,14 @@ def prepare(pipe: H3Pipeline, clips, batch: int = 64) -> list[dict]:
                             "reference": reference[j], "picture": pictures[j], "sound": clip[1],
                             "prompt": clip[2], "text": {}, "tags": {}, "weight": token_weight(clip[3], pipe.device),
                             "tracks": torch.from_numpy(clip[4]).to(pipe.device).float(),
-                            "knocks": knocks(clip[6], audio.shape[-1], pipe.device)})
+                            "knocks": knock_rows(clip[6], audio.shape[-1], pipe.device)})
             if group[0][5] is not None:
                 video = encode_clips(pipe.video_vae, np.stack([c[5][0] for c in group]))
                 audio = encode_sounds(pipe.audio_vae, np.stack([c[5][1] for c in group]))
                 for j, clip in enumerate(group):
                     out[i + j]["later"] = {"video": video[j], "audio": audio[j], "prompt": clip[5][3],
                                            "text": {}, "tags": {}, "weight": token_weight(clip[5][2], pipe.device),
-                                           "knocks": knocks(clip[5][4], audio.shape[-1], pipe.device)}
+                                           "knocks": knock_rows(clip[5][4], audio.shape[-1], pipe.device)}
         for indices in by_caption_length(pipe, out):
             for start in range(0, len(indices), 64):
                 part = indices[start:start + 64]
@@ -721,9 +717,11 @@ def encoded(pipe: H3Pipeline, clips, cache: Path | None, later: bool = False) ->
             for part in (sample, sample.get("later", {})):
                 if "tags" in part:
                     part["tags"] = {k: v.cpu() for k, v in part["tags"].items()}
-        if "tracks" not in data[0] or (later and "prompt" not in data[0].get("later", {})):
-            raise SystemExit(f"{cache} lacks what this run trains on (the objects' edit tracks, or the later windows "
-                             "--later-windows asks for, with their prompts); delete it and run again to re-encode.")
+        window = data[0].get("later", {})
+        if "knocks" not in data[0] or (later and not {"prompt", "knocks"} <= window.keys()):
+            raise SystemExit(f"{cache} lacks what this run trains on (the knocks' audio rows of stop 64's toy "
+                             "world, or the later windows --later-windows asks for, with their prompts); delete it "
+                             "and run again to re-encode.")
         if clips is None or len(data) == len(clips):
             return data
     data = prepare(pipe, clips)
