@@ -119,7 +119,8 @@ def test_a_fresh_dit_learns_to_read_the_caption():
     for background in ("black", "white"):
         clip = render(Scene((ToyObject("ball", "red", "large", "stays still", 0.5, 0.5),), background, False, False, 1),
                       96, 64, num_frames=22)
-        clips.append((clip.frames, clip.audio, clip.caption, object_cover(clip.masks), object_tracks(clip.masks), None))
+        clips.append((clip.frames, clip.audio, clip.caption, object_cover(clip.masks), object_tracks(clip.masks), None,
+                      clip.click_frames))
     data = prepare(pipe, clips)  # the text encoder frozen, as in training
     opt = torch.optim.AdamW(pipe.dit.parameters(), lr=1e-3)
     rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
