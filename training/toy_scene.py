@@ -71,10 +71,12 @@ GROWTH_TIME_S = 3.0
 # BOUNCE_PHASE of a period gone at t = 0 (never a contact then). Until stop 41 all three were drawn per clip: the
 # bounces then fall out of step within 1.5 s, their mean path is an object hovering near y ~ 75 px (the clips spread
 # 18 px about it), and that mean is what the DiT drew from noise (its one-step estimate held the object at 73-77).
-# The bounce is low and every contact falls on the third frame of a latent (frames 19, 47, 75, ...: 28 frames a
-# period): a video VAE keeps four frames in a latent, and the toy VAE's round trip of the stop-41 bounce (apex 0.65,
-# 1.2 s, contacts drifting through the latent's frames at ~7 px a frame) drew all four contacts of a 5 s render in
-# none of 12 held-out bouncers, the object smeared or held ~15 px above the floor; this bounce in 14 of 16.
+# The bounce is low, a contact every 28 frames from frame 19 (19, 47, 75, 103: the 2nd, 1st, 3rd and 1st frame of
+# their latents, as a 17-frame VAE chunk holds a 1-frame latent and four 4-frame ones; of first contacts at frames 17
+# to 20, 19's round trip drew the most): a video VAE keeps four frames in a latent, and the toy VAE's round trip of
+# the stop-41 bounce (apex 0.65, 1.2 s, contacts drifting through the latent's frames at ~7 px a frame) drew all four
+# contacts of a 5 s render in none of 12 held-out bouncers, the object smeared or held ~15 px above the floor; this
+# bounce in 14 of 16.
 SLOTS = {1: (0.5,), 2: (0.25, 0.75)}  # share of the free range across the width, by number of objects
 PLACEMENT_JITTER = 0.1
 CLEAR_SECONDS = 6.0
