@@ -1,6 +1,6 @@
-"""Classifier-free guidance for the embedded default (engine/models/h3/denoise.py `guided`): v_u + w (v_c - v_u) of
-the prompt and the zeroed prompt; a DiT file names the scale text-to-video samples with; caption dropout hides the
-prompt; guidance distillation teaches a student, in one forward, what the teacher gives in two."""
+"""Classifier-free guidance for the embedded default (engine/models/h3/denoise.py `guided`): v_u + w (v_c - v_u) of the
+prompt and the zeroed prompt; a DiT file names the scale text-to-video and edits sample with; caption dropout hides
+the prompt; guidance distillation teaches a student, in one forward, what the teacher gives in two."""
 
 import copy
 from pathlib import Path
@@ -13,6 +13,7 @@ from engine.kernels import attention
 from engine.models.h3.checkpoint import save_dit
 from engine.models.h3.denoise import guided
 from engine.models.h3.pipeline import TOY_FILES, Canvas, GenerateRequest, H3Pipeline
+from engine.models.h3.request import EditRequest, Source
 from training.train import dit_loss, prepare, toy_clips
 
 
@@ -56,8 +57,8 @@ def test_guided_output_is_the_prompt_branch_pushed_from_the_unconditional_one(ti
 
 def test_the_dit_file_names_the_guidance_text_to_video_samples_with(tmp_path):
     """`save_dit(guidance=...)` writes the scale in the header, `from_files` reads it (the released files name none:
-    1, one forward a step) and `describe` reports it; a t2va job then differs from the plain DiT's, a first-frame
-    job (its picture rows hold it) does not."""
+    1, one forward a step) and `describe` reports it; a t2va job and a masked edit then differ from the plain DiT's
+    (only inside the edit's mask), a first-frame job (its picture rows hold it) does not."""
     toy = Path(__file__).resolve().parents[1] / "engine" / "weights" / "toy"
     files = {k: toy / TOY_FILES[k] for k in ("dit", "text_encoder", "video_vae", "audio_vae")}
     attention.set_backend("sdpa")
@@ -80,6 +81,14 @@ def test_the_dit_file_names_the_guidance_text_to_video_samples_with(tmp_path):
         out[name] = [pipe.generate(r).frames for r in (req, first)]
     assert not torch.equal(out["steered"][0], out["plain"][0])
     assert torch.equal(out["steered"][1], out["plain"][1])
+    source = out["plain"][0]
+    mask = torch.zeros(source.shape[:3])
+    mask[:, :, 32:] = 1  # the right half, two latent cells wide
+    edit = EditRequest(Source(source, 24.0), mask, prompt="a large blue box stays still on a black background",
+                       seed=3, steps=3)
+    edited = {name: pipe.edit(edit).frames for name, pipe in (("plain", plain), ("steered", steered))}
+    assert not torch.equal(edited["steered"][..., 32:, :], edited["plain"][..., 32:, :])
+    assert torch.equal(edited["steered"][..., :32, :], edited["plain"][..., :32, :])
 
 
 def test_caption_dropout_hides_the_prompt(tiny):

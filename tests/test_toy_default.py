@@ -2,9 +2,10 @@
 the real client, scored from the returned frames and sound alone (training/scoring.py) on held-out captions: the CI
 subset of issue 18's tables (`benchmarks/toy_eval.py` runs 20 captions and every task).
 
-The first six held-out scenes (EVAL_SEED on, never trained on) with toy_eval's seeds. What the committed weights
+The first seven held-out scenes (EVAL_SEED on, never trained on) with toy_eval's seeds. What the committed weights
 reach on them is asserted as a floor, so a worse default fails, and the issue's own t2va criterion (85 % of captions
-pass the named colour, motion, background and hum pitch) as it is; the clicks of the two that bounce as a floor.
+pass the named colour, motion, background and hum pitch) as it is: of seven captions one may miss (of six, as until
+stop 66, none could); the clicks of the two that bounce as a floor.
 Beside them: fl2va's first frame, a sky repainted at night and the join of an extension to its source.
 """
 
@@ -25,7 +26,7 @@ from training.toy_world import render
 from training.train import EVAL_SEED
 
 WIDTH, HEIGHT = 224, 128  # the toy preset's canvas
-CAPTIONS = 6
+CAPTIONS = 7
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +63,16 @@ def share(rows: list[dict], name: str) -> float:
 
 def test_t2va_shows_the_named_background_and_hum(t2va):
     assert share(t2va, "background") == 1.0 and share(t2va, "pitch") == 1.0, t2va
-    assert share(t2va, "pan") >= 0.75, t2va  # 4 of the 5 humming clips; the miss lost its second object
+    assert share(t2va, "pan") >= 0.75, t2va  # every humming clip (6 of the 7) follows its object
 
 
 def test_t2va_shows_the_named_colour_and_motion_in_some_captions(t2va):
-    """Colour and motion in 4 of the 6, on this CPU as on an H100 (the same latents to fp16 rounding since the
-    conditioner reads the same states under every transformers release; the H100's table has 0.90 and 0.90 over
-    20 captions, guided at 1.5 as the DiT file says); random weights pass neither."""
-    assert share(t2va, "colour") >= 4 / 6, t2va
-    assert share(t2va, "motion") >= 4 / 6, t2va
+    """Colour in 7 of the 7 and motion in 6 (caption 1's box stays put), on this CPU as on an H100 (the same
+    latents to fp16 rounding since the conditioner reads the same states under every transformers release; the
+    H100's table has 0.90 and 0.90 over 40 captions, guided at 1.5 as the DiT file says); random weights pass
+    neither."""
+    assert share(t2va, "colour") >= 6 / 7, t2va
+    assert share(t2va, "motion") >= 5 / 7, t2va
 
 
 def test_t2va_passes_the_issues_named_checks_in_85_percent_of_captions(t2va):
@@ -79,24 +81,24 @@ def test_t2va_passes_the_issues_named_checks_in_85_percent_of_captions(t2va):
 
 
 def test_t2va_knocks_where_it_draws_a_bounce_and_nowhere_else(t2va):
-    """Of the two bouncing captions (2 and 3) this CPU knocks within 2 frames of every contact drawn in both, the
-    H100 in one (caption 2 draws no contact at 47); the four others are silent of knocks. Before stop 64 the DiT
-    knocked nowhere. Issue 18's number (80 % of toy_eval's 10 bouncing captions of 40) is the benchmark's."""
+    """Of the two bouncing captions (2 and 3) this CPU and the H100 knock at 20, 54, 88 and 122, the render's
+    contacts, and draw them 0-2 frames early (18, 52, 86, 120-121); the five others are silent of knocks. Before
+    stop 64 the DiT knocked nowhere. Issue 18's number (80 % of toy_eval's 10 bouncing captions of 40) is the
+    benchmark's."""
     shares = click_shares(t2va)
     assert shares["t2va_clicks_of_bouncing"] >= 0.5 and shares["t2va_knocks_without_bounce"] == 0, t2va
 
 
 def test_fl2va_starts_on_the_given_first_frame(engine, scenes):
-    """Frame 0 near the rendered first frame it was given: the median PSNR of the six scenes as a floor. Issue 18's
-    target (28 dB) is toy_eval's median of 20 (the committed default: 29.54 dB on an H100); of these six it reaches
-    28.06 there (stop 58's DiT 28.07 on this CPU, 27.60 with stop 51's video decoder), three of them with rain on
-    white or sand near 26."""
+    """Frame 0 near the rendered first frame it was given: issue 18's 28 dB on the median of the seven scenes (the
+    committed default: 30.61 dB on this CPU and on an H100, 28.64 over toy_eval's 40); three of them, with rain on
+    white or sand, reach only 25-26."""
     values = []
     for i, scene in enumerate(scenes):
         truth = render(scene, WIDTH, HEIGHT)
         result = run(engine, "fl2va", {"prompt": caption(scene), "seed": i}, {"first_frame": truth.frames[0]})
         values.append(psnr(result.frames[0], truth.frames[0]))
-    assert np.median(values) >= 27.5, values
+    assert np.median(values) >= 28.0, values
 
 
 def test_a_repainted_sky_turns_to_night(engine):
@@ -114,7 +116,7 @@ def test_an_extension_joins_its_source_no_rougher_than_the_vae_steps_inside_it(e
     """toy_eval's first extension source, extended 5 s over the wire: the frame difference across the join is no
     larger than the largest step the video VAE itself makes between latents inside the added frames (every fourth
     frame). Stepping straight from the source's own pixels to the decode of the new window, it was 3.4 against 1.8
-    there; now 0.80 against 1.55 (this CPU)."""
+    there; now 0.80 against 1.32 (this CPU; 1.55 under stop 64's DiT)."""
     scene = scenes_where(lambda s: True, EVAL_SEED + 3000, 1, WIDTH, HEIGHT)[0]
     source = render(scene, WIDTH, HEIGHT)
     result = run(engine, "extend", {"prompts": [caption(scene)], "seconds": 5.0, "window_seconds": 5.0, "seed": 0,

@@ -1,9 +1,10 @@
 """benchmarks/vae_motion.py on one held-out bouncer through the committed toy video VAE: every 4-frame latent where the
 bouncer is seen gives the latent's 3x3 cells and the rendered and decoded heights' motion inside it, and the decoder
-draws part of that motion (this scene: R^2 0.36 over 29 latents; 0.32 over 24 on the old, higher bounce). Its contacts
-agree with the clicks, as the render's own do (since stop 64's low bounce every 28 frames; the old bounce's
-round trip lost them). Across latent boundaries the round trip steps less than twice its median frame difference (median
-over the boundaries; stop 51's decoder: 3.8 at the joins, 3.0 elsewhere), as the render does."""
+draws part of that motion (this scene: R^2 0.25 over 29 latents; 0.36 on stop 64's bounce every 28 frames, 0.32 over 24
+on the old, higher bounce). Its contacts agree with the clicks, as the render's own do (since stop 64's low bounce; the
+old bounce's round trip lost them; since stop 66 a contact every 34 frames, each on its latent's third frame). Across
+latent boundaries the round trip steps less than twice its median frame difference (median over the boundaries; stop
+51's decoder: 3.8 at the joins, 3.0 elsewhere), as the render does."""
 
 import numpy as np
 

@@ -71,20 +71,21 @@ GROWTH_TIME_S = 3.0
 # BOUNCE_PHASE of a period gone at t = 0 (never a contact then). Until stop 41 all three were drawn per clip: the
 # bounces then fall out of step within 1.5 s, their mean path is an object hovering near y ~ 75 px (the clips spread
 # 18 px about it), and that mean is what the DiT drew from noise (its one-step estimate held the object at 73-77).
-# The bounce is low, a contact every 28 frames from frame 19 (19, 47, 75, 103: the 2nd, 1st, 3rd and 1st frame of
-# their latents, as a 17-frame VAE chunk holds a 1-frame latent and four 4-frame ones; of first contacts at frames 17
-# to 20, 19's round trip drew the most): a video VAE keeps four frames in a latent, and the toy VAE's round trip of
-# the stop-41 bounce (apex 0.65, 1.2 s, contacts drifting through the latent's frames at ~7 px a frame) drew all four
-# contacts of a 5 s render in none of 12 held-out bouncers, the object smeared or held ~15 px above the floor; this
-# bounce in 14 of 16.
+# The bounce is low, a contact every 34 frames from frame 20 (20, 54, 88, 122: each the 3rd frame of its latent, as a
+# 17-frame VAE chunk holds a 1-frame latent and four 4-frame ones and 34 frames are two chunks): a video VAE keeps
+# four frames in a latent, and the toy VAE's round trip of the stop-41 bounce (apex 0.65, 1.2 s, contacts drifting
+# through the latent's frames at ~7 px a frame) drew all four contacts of a 5 s render in none of 12 held-out
+# bouncers, the object smeared or held ~15 px above the floor. Stop 64's 28-frame bounce from frame 19 (its contacts
+# the 2nd, 1st, 3rd and 1st frame of their latents) in 12 of 16; this one in 16 of 16 (from frame 19 / 21 / 24 / 25:
+# 15 / 7 / 14 / 10).
 SLOTS = {1: (0.5,), 2: (0.25, 0.75)}  # share of the free range across the width, by number of objects
 PLACEMENT_JITTER = 0.1
 CLEAR_SECONDS = 6.0
 TRAVEL_SHARE = (0.35, 0.45)
 WALL_MARGIN = 0.05  # share of the free range a mover's path keeps from each wall
 BOUNCE_HEIGHT_SHARE = 0.3
-BOUNCE_PERIOD_S = 28 / FPS
-BOUNCE_PHASE = 1 - 19 / 28
+BOUNCE_PERIOD_S = 34 / FPS
+BOUNCE_PHASE = 1 - 20 / 34
 HUMMING_PROBABILITY, RAIN_PROBABILITY = 0.75, 0.4
 OBJECT_GAP_PX = 3.0
 

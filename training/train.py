@@ -911,8 +911,8 @@ def main(argv=None) -> int:
                    help="distill: on the t2va layout the DiT learns, in one forward, its starting self guided by "
                         "this scale (denoise.guided; the starting DiT must have trained with --caption-drop)")
     p.add_argument("--sampling-guidance", type=float, default=None,
-                   help="the guidance scale the engine samples text-to-video with, recorded in the DiT file "
-                        "(default: the resumed file's, else 1: one forward a step)")
+                   help="the guidance scale the engine samples text-to-video and masked edits with, recorded in the "
+                        "DiT file (default: the resumed file's, else 1: one forward a step)")
     p.add_argument("--eval-guidance", type=float, nargs="+", default=[],
                    help="the final held-out evaluation at each of these guidance scales (1: the plain DiT; "
                         "default: the one the engine samples with)")

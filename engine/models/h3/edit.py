@@ -85,7 +85,10 @@ def run_edit(pipe, req: EditRequest, on_step=None) -> GenerateResult:
         notes.append("the source has no sound, so the audio is generated")
 
     t_loop = time.perf_counter()
-    video_rows, audio_rows = pipe.run_denoise(layout, text, video, audio, steps, on_step, (T, h, w))
+    # Guided as text-to-video is (the DiT file's scale): the regenerated cells are the prompt's to fill. The toy DiT
+    # unguided drew a replacement box as a thin blob and kept a repainted sky blue (README, stop 66).
+    video_rows, audio_rows = pipe.run_denoise(layout, text, video, audio, steps, on_step, (T, h, w),
+                                              guidance=pipe.guidance)
     video_latents = L.unpatchify(video_rows, T, h, w, cfg.patch_size)
     audio_latents_out = L.unpack_audio(audio_rows)[0]
     t_dec = time.perf_counter()
