@@ -118,14 +118,15 @@ def edit_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict]:
 
 
 def extension_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict]:
-    """5 s sources extended by 10 s in 5 s windows (overlap 7 latents), scored at the window boundaries. Each
-    window's prompt says what the scene shows from its first new frame on (`caption_at`: after a wall hit a mover
-    goes the other way), or with `--extension-prompts scene` every window gets the scene's own caption."""
+    """5 s sources extended by 10 s in 5 s windows (`--extension-overlap` latents, the engine's 7 unless told), scored
+    at the window boundaries. Each window's prompt says what the scene shows from its first new frame on (`caption_at`:
+    after a wall hit a mover goes the other way), or with `--extension-prompts scene` every window gets the scene's own
+    caption."""
     rows = []
     for i, scene in enumerate(scenes_where(lambda s: True, EVAL_SEED + 3000, args.extensions, width, height)):
         source = render(scene, width, height)
         req = ExtendRequest(Source(source.frames, audio=source.audio), 10.0, [caption(scene)], window_seconds=5.0,
-                            seed=i, steps=args.steps)
+                            seed=i, steps=args.steps, overlap_latents=args.extension_overlap)
         F0 = len(source.frames)
         windows = plan_windows(F0, int(round(req.seconds * 24)), req.overlap_latents, 5 * 24 + 5)
         boundaries = [F0] + [w.start + w.frames for w in windows[:-1]]
@@ -231,6 +232,8 @@ def main() -> int:
     p.add_argument("--edits", type=int, default=4, help="two-object clips for removal / replacement, and sky clips "
                                                        "for the repaint")
     p.add_argument("--extensions", type=int, default=3, help="5 s clips extended to 15 s")
+    p.add_argument("--extension-overlap", type=int, choices=(2, 7, 12), default=7,
+                   help="latent frames each extension window regenerates of the one before (Extend's overlap)")
     p.add_argument("--extension-prompts", choices=("window", "scene"), default="window",
                    help="each extension window prompted with what the scene shows from its start (after a wall hit "
                         "a mover goes the other way), or every window with the scene's caption")
@@ -308,7 +311,7 @@ def main() -> int:
                **upscale_rows(args, width, height), **vsa_rows(pipe, args, width, height),
                "wall_s": round(time.perf_counter() - t0, 1), "device": args.device, "weights": str(args.weights),
                "guidance": pipe.guidance, "steps": args.steps, "video_shift": pipe.video_shift,
-               "extension_prompts": args.extension_prompts}
+               "extension_prompts": args.extension_prompts, "extension_overlap": args.extension_overlap}
     print("\n== toy eval (share of clips passing; PSNR in dB) ==")
     for k, v in summary.items():
         print(f"{k:38s} {v:.3f}" if isinstance(v, float) else f"{k:38s} {v}")
