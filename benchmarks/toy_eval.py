@@ -48,6 +48,7 @@ from training.train_seedvr2 import degrade, to_model  # noqa: E402
 # estimate keeps a quarter of the source, and the toy DiT reads the rest of a uniform sky through the noise (the
 # source comes back, ΔE 0.4-0.9 from it).
 REPAINT_STRENGTH = 1.0
+EXTENSION_SEED = EVAL_SEED + 3000  # the extension rows' scenes: the first held-out ones from here
 
 
 def load(weights: Path, device: str) -> H3Pipeline:
@@ -123,7 +124,7 @@ def extension_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict
     after a wall hit a mover goes the other way), or with `--extension-prompts scene` every window gets the scene's own
     caption."""
     rows = []
-    for i, scene in enumerate(scenes_where(lambda s: True, EVAL_SEED + 3000, args.extensions, width, height)):
+    for i, scene in enumerate(scenes_where(lambda s: True, EXTENSION_SEED, args.extensions, width, height)):
         source = render(scene, width, height)
         req = ExtendRequest(Source(source.frames, audio=source.audio), 10.0, [caption(scene)], window_seconds=5.0,
                             seed=i, steps=args.steps, overlap_latents=args.extension_overlap)

@@ -722,3 +722,22 @@ def test_the_knock_weight_counts_the_audio_rows_at_a_contact():
 
     assert loss(calm, 0) == pytest.approx(loss(calm, 20), rel=1e-6)
     assert loss(bouncing, 0) != pytest.approx(loss(bouncing, 20), rel=1e-3)
+
+
+def test_the_join_weight_counts_the_video_rows_after_an_extension_guide():
+    """The join weight changes an extension step's loss (the rows after its guide) and leaves text-to-video's."""
+    import numpy as np
+
+    import training.train as train
+    from engine.kernels import attention
+
+    attention.set_backend("sdpa")
+    pipe = H3Pipeline.from_preset("tiny")
+    sample = train.prepare(pipe, train.toy_clips([3], 96, 64, 1.6, 1))[0]
+
+    def loss(task, weight):
+        return float(train.dit_loss(pipe.dit, [sample], task, np.random.default_rng(0),
+                                    torch.Generator().manual_seed(0), join_weight=weight))
+
+    assert loss("t2va", 0) == pytest.approx(loss("t2va", 50), rel=1e-6)
+    assert loss("extend", 0) != pytest.approx(loss("extend", 50), rel=1e-3)

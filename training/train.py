@@ -81,6 +81,10 @@ OBJECT_WEIGHT = 8.0
 # `--dit-knock-weight W`: an audio row's loss weight is 1 + W within KNOCK_SPAN_S of a contact. A knock lasts ~20 ms,
 # 4 of a 5 s clip's 200 audio latents, and the DiTs trained on the plain mean drew none (stops 41-62).
 KNOCK_SPAN_S = 0.05
+# `--dit-join-weight W`: an extension step's video rows of the JOIN_LATENTS latent frames after its guide (about the
+# second an extension's velocity check judges after each join) weigh 1 + W. Stop 67 tried 10-40 against the DiT's
+# slowing there (benchmarks/extension_join.py): the first 12 new frames stayed at ~0.5 of the rendered speed.
+JOIN_LATENTS = 6
 OBJECT_DILATE = 2  # a VAE's pixel loss is weighted 1 + OBJECT_WEIGHT within this many pixels of an object
 FINISH_S = 30  # of --minutes kept for the last evaluation and the files
 VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of the temporal chunking
@@ -515,7 +519,8 @@ def extension_rows(T: int, rng) -> tuple[int, int, float]:
 def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, caption_drop: float = 0.0,
              teacher=None, guidance: float = 1.0, video_shift: float = VIDEO_SHIFT,
              noise_gen: torch.Generator | None = None, edit_tracks: float = 0.0,
-             edit_kept_sound: float = 0.0, keep: tuple[str, ...] = (), knock_weight: float = 0.0) -> torch.Tensor:
+             edit_kept_sound: float = 0.0, keep: tuple[str, ...] = (), knock_weight: float = 0.0,
+             join_weight: float = 0.0) -> torch.Tensor:
     """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
@@ -528,7 +533,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     `guidance` other than 1, a DISTILLED_TASKS layout's target is its velocity guided by `guidance`
     (engine/models/h3/denoise.py), else the flow's, with a `caption_drop` share of the prompts zeroed; `keep`
     ("video", "audio"): those rows' target is the `teacher`'s own velocity on the same rows. The audio rows near a
-    contact weigh 1 + `knock_weight`.
+    contact weigh 1 + `knock_weight`, an extension's video rows of the JOIN_LATENTS after its guide 1 + `join_weight`.
     The noise comes from `noise_gen` (a generator on the device: drawn on the host, a batch's noise costs more than
     its step) or else `gen`."""
     device = batch[0]["video"].device
@@ -573,6 +578,8 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
         tail = x0v[:, :overlap * (h // patch[0]) * (w // patch[1])]
         cond_v = L.CONDITION_TIMESTEP * tail + (1 - L.CONDITION_TIMESTEP) * noise(tail)
         cond_a = L.pack_audio(torch.stack([b["audio"][..., :guide_audio] for b in clips]))
+        rows_per_frame = tail.shape[1] // overlap
+        weight[:, tail.shape[1]:(overlap + JOIN_LATENTS) * rows_per_frame] *= 1 + join_weight
     else:
         layout = L.build_layout(tags, T, h, w, Ta, patch)
         if task == "edit":  # regenerated cells at 1 - s, the rest of the source at the condition level
@@ -784,7 +791,8 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
               eval_guidance=(), compile: bool = False, bounce_boost: float = 1.0,
               edit_tracks: float = 0.0, two_object_boost: float = 1.0, edit_kept_sound: float = 0.0,
               tasks: dict[str, float] = TASKS, extend_caption_drop: float | None = None,
-              keep_video: bool = False, data_tasks: tuple[str, ...] | None = None, knock_weight: float = 0.0) -> None:
+              keep_video: bool = False, data_tasks: tuple[str, ...] | None = None, knock_weight: float = 0.0,
+              join_weight: float = 0.0) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
     exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
     `compile` runs the blocks of the training steps through torch.compile, one block at a time (dynamic shapes; the
@@ -799,7 +807,8 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     through the attention the audio rows share with the video's (stop 56: the audio rows' own weights alone, with
     that attention frozen, drew no knock in 778 steps and still lost a removal). `data_tasks`: only these layouts
     learn from the data, every other one the DiT as it starts (both rows), so what those do stays while these are
-    taught. `knock_weight`: the audio rows near a contact weigh that much more (KNOCK_SPAN_S)."""
+    taught. `knock_weight`: the audio rows near a contact weigh that much more (KNOCK_SPAN_S); `join_weight`: an
+    extension's video rows just after its guide (JOIN_LATENTS)."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
     kept_by_teacher = keep_video or data_tasks is not None
@@ -837,7 +846,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
         keep = ("video",) if keep_video else ("video", "audio") if data_tasks and task not in data_tasks else ()
         loss = dit_loss(dit, [data[i] for i in picks], task, step_rng, gen, dropped, teacher, guidance,
                         pipe.video_shift, None if max_steps else noise_gen, edit_tracks, edit_kept_sound, keep,
-                        knock_weight)
+                        knock_weight, join_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -949,6 +958,9 @@ def main(argv=None) -> int:
                         "rows): e.g. extend taught while every other task stays as it was")
     p.add_argument("--dit-knock-weight", type=float, default=0.0, metavar="W",
                    help="the DiT's audio rows within KNOCK_SPAN_S of a contact weigh 1 + W in its loss")
+    p.add_argument("--dit-join-weight", type=float, default=0.0, metavar="W",
+                   help="an extension step's video rows of the JOIN_LATENTS latent frames after its guide weigh 1 + W "
+                        "in the DiT's loss")
     p.add_argument("--later-windows", action="store_true",
                    help="every clip also gets a window of its scene from a random later start (up to 15 s), and "
                         "the extension steps train on those: guides with objects mid-path or past a wall hit, each "
@@ -1050,7 +1062,8 @@ def main(argv=None) -> int:
                   2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
                   args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost,
                   args.edit_tracks, args.two_object_boost, args.edit_kept_sound, task_shares(args.task_share),
-                  args.extend_caption_drop, args.dit_keep_video, args.dit_data_tasks, args.dit_knock_weight)
+                  args.extend_caption_drop, args.dit_keep_video, args.dit_data_tasks, args.dit_knock_weight,
+                  args.dit_join_weight)
         save_compiled(args.compile_cache if args.compile else None)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
