@@ -81,17 +81,19 @@ def scene_rows(pipe, scene, seed: int, overlap: int, steps: int | None) -> list[
     spliced[:, :, overlap:] = latents[:, :, overlap:].to(fresh)
     decoded = {"dit": vae.decode(latents.to(fresh)), "truth_overlap": vae.decode(spliced),
                "round_trip": vae.decode(fresh)}
+    labels = {name: colour_labels(frames.numpy()) for name, frames in decoded.items()}
+    rendered_labels = colour_labels(truth.frames[start:])
     rows = []
     for k, obj in enumerate(scene.objects):
         hits = [c for c in truth.contact_frames[k] if F0 - SPAN <= c < F0 + 2 * SPAN]
         if obj.motion not in DIRECTIONS or hits:  # a wall hit turns the rendered speed inside a span
             continue
         axis = DIRECTIONS[obj.motion][0]
-        rendered = track_colour(colour_labels(truth.frames[start:]), obj.colour)
+        rendered = track_colour(rendered_labels, obj.colour)
         path = (rendered.x, rendered.y)[axis]
         row = {"caption": caption(scene), "object": k, "motion": obj.motion}
-        for name, frames in decoded.items():
-            track = track_colour(colour_labels(frames.numpy()), obj.colour)
+        for name in DECODES:
+            track = track_colour(labels[name], obj.colour)
             row[name] = speed_shares((track.x, track.y)[axis], path, join)
         rows.append(row)
     return rows
