@@ -242,8 +242,8 @@ def main() -> int:
     p.add_argument("--vsa", type=int, default=4, help="captions generated dense and with VSA (quality rows)")
     p.add_argument("--vsa-sparsity", type=float, default=0.875)
     p.add_argument("--guidance", type=float, default=None,
-                   help="text-to-video's classifier-free guidance scale (two DiT forwards a step unless 1; "
-                        "default: the one the DiT file records)")
+                   help="the classifier-free guidance scale of text-to-video, edits and extensions (two DiT "
+                        "forwards a step unless 1; default: the one the DiT file records)")
     p.add_argument("--video-shift", type=float, default=None,
                    help="sample at this video schedule shift (default: the one the DiT file records)")
     args = p.parse_args()

@@ -13,7 +13,7 @@ from engine.kernels import attention
 from engine.models.h3.checkpoint import save_dit
 from engine.models.h3.denoise import guided
 from engine.models.h3.pipeline import TOY_FILES, Canvas, GenerateRequest, H3Pipeline
-from engine.models.h3.request import EditRequest, Source
+from engine.models.h3.request import EditRequest, ExtendRequest, Source
 from training.train import dit_loss, prepare, toy_clips
 
 
@@ -57,8 +57,9 @@ def test_guided_output_is_the_prompt_branch_pushed_from_the_unconditional_one(ti
 
 def test_the_dit_file_names_the_guidance_text_to_video_samples_with(tmp_path):
     """`save_dit(guidance=...)` writes the scale in the header, `from_files` reads it (the released files name none:
-    1, one forward a step) and `describe` reports it; a t2va job and a masked edit then differ from the plain DiT's
-    (only inside the edit's mask), a first-frame job (its picture rows hold it) does not."""
+    1, one forward a step) and `describe` reports it; a t2va job, a masked edit and an extension then differ from the
+    plain DiT's (only inside the edit's mask, only after the extended source), a first-frame job (its picture rows
+    hold it) does not."""
     toy = Path(__file__).resolve().parents[1] / "engine" / "weights" / "toy"
     files = {k: toy / TOY_FILES[k] for k in ("dit", "text_encoder", "video_vae", "audio_vae")}
     attention.set_backend("sdpa")
@@ -89,6 +90,12 @@ def test_the_dit_file_names_the_guidance_text_to_video_samples_with(tmp_path):
     edited = {name: pipe.edit(edit).frames for name, pipe in (("plain", plain), ("steered", steered))}
     assert not torch.equal(edited["steered"][..., 32:, :], edited["plain"][..., 32:, :])
     assert torch.equal(edited["steered"][..., :32, :], edited["plain"][..., :32, :])
+    extend = ExtendRequest(Source(source, 24.0), seconds=1.0, prompts=[req.prompt], window_seconds=5.0, seed=3,
+                           steps=3)
+    extended = {name: pipe.extend(extend).frames for name, pipe in (("plain", plain), ("steered", steered))}
+    kept = len(source)  # 17n + 5 frames: all of them come back as they were
+    assert len(extended["steered"]) > kept and torch.equal(extended["steered"][:kept], source)
+    assert not torch.equal(extended["steered"][kept:], extended["plain"][kept:])
 
 
 def test_caption_dropout_hides_the_prompt(tiny):

@@ -67,6 +67,7 @@ def test_extension_passes_the_continued_render_and_fails_a_cut():
     cut[244:] = other.frames[244:]
     bad = extension_checks(cut, truth.audio, truth, boundaries)["checks"]
     assert not bad["no_jump"] and not bad["velocity"] and not bad["no_drift"], bad
+    assert bad["velocity_first_join"], bad  # the cut is at the second boundary
 
 
 def test_extension_velocity_counts_a_drift_below_its_floor_as_still():

@@ -6,7 +6,7 @@ the task was given (its render: masks, centroids, colours). The thresholds are i
 - replacement: the named colour fills >= 50 % of the former object's area;
 - repaint: the masked region's mean colour moves to the named background's (nearer to it than to the source's);
 - extension: each window boundary continues the motion (velocity over the second before and after within 35 %,
-  for objects moving in a line or still),
+  for objects moving in a line or still; `velocity_first_join` reports the source's own join alone, beside it),
   shows no jump (frame difference at the boundary <= 2x the clip's median), keeps the hum's pitch, and the last
   window's background stays within ΔE 5 of the first's.
 
@@ -114,7 +114,7 @@ def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boun
     diffs = frame_differences(frames)
     median = float(np.median(diffs))
     checks, measured = {}, {"median_frame_difference": median}
-    speeds_agree, jumps = [], []
+    speeds_agree, jumps, first_join = [], [], []
     for b in boundaries:
         before, after = slice(max(0, b - FPS), b), slice(b, min(len(frames), b + FPS))
         for k, obj in enumerate(truth.scene.objects):
@@ -127,9 +127,12 @@ def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boun
             measured[f"{b}.{k}.velocity_error"] = error
             still = bool(np.isfinite([s0, s1]).all() and max(s0, s1) < MIN_SPEED_PX_S)
             speeds_agree.append(still or error <= VELOCITY_TOLERANCE)
+            if b == boundaries[0]:
+                first_join.append(speeds_agree[-1])
         measured[f"{b}.frame_difference"] = float(diffs[b - 1])
         jumps.append(bool(diffs[b - 1] <= JUMP_RATIO * median))
-    checks["velocity"], checks["no_jump"] = all(speeds_agree), all(jumps)
+    checks["velocity"], checks["velocity_first_join"] = all(speeds_agree), all(first_join)
+    checks["no_jump"] = all(jumps)
     first, last = slice(0, boundaries[0]), slice(boundaries[-1], len(frames))
     if truth.scene.humming:
         heard = [list(hum_tones(_window_audio(audio, w)))[:len(truth.scene.objects)] for w in (first, last)]

@@ -1,13 +1,16 @@
 """Video extension past one window (specs/h3.md §2.4, notes/peers.md §3c).
 
-Each new window starts `overlap` latent frames before the current end. The previous tail's latents (video,
-noised once to the condition level) and its audio latents (clean, cut at 40 Hz boundaries) become frozen
-condition rows at the times of the window's first latents; all media rows of the window sit on the global clock,
-shifted by s * 40/24 rotary units (s = the window's first pixel frame, fraction kept), after the longest prompt.
-The overlap is regenerated, then dropped. Windows are decoded one at a time with one VAE chunk of context, so
-memory per window is bounded and the source's own frames come back untouched; a window's first frames take over
-the frame before them as it stands and fade into their own decode (`carry_seam`). The result's frames stream out in
-order as they become final (PhaseEvent.frames): the source's with the first decoded chunk, then each chunk's new ones.
+Each new window starts `overlap` latent frames before the current end. The previous tail's latents (video, noised
+once to the condition level) and its audio latents (clean, cut at 40 Hz boundaries) become frozen condition rows at
+the times of the window's first latents; all media rows of the window sit on the global clock, shifted by s * 40/24
+rotary units (s = the window's first pixel frame, fraction kept), after the longest prompt. The overlap is
+regenerated, then dropped. Each window is guided at the DiT file's scale, as text-to-video and edits are (the
+embedded default names 1.5: unguided, its movers slow to about half their speed over the first new frames; a
+released DiT is guidance-distilled and names none, one forward a step). Windows are decoded one at a time with one
+VAE chunk of context, so memory per window is bounded and the source's own frames come back untouched; a window's
+first frames take over the frame before them as it stands and fade into their own decode (`carry_seam`). The
+result's frames stream out in order as they become final (PhaseEvent.frames): the source's with the first decoded
+chunk, then each chunk's new ones.
 """
 
 from __future__ import annotations
@@ -132,7 +135,8 @@ def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
         sound = Target(pipe.noise(gen, 1, L.AUDIO_CHANNELS * window.audio_latents, cfg.audio_in_channels))
         name = f"window {k + 1}/{len(windows)}"
         video_rows, audio_rows = pipe.run_denoise(layout, text, video, sound, steps, on_step, (T_w, h, w), name,
-                                                  cond_video=cond_video, cond_audio=cond_audio)
+                                                  cond_video=cond_video, cond_audio=cond_audio,
+                                                  guidance=pipe.guidance)
         window_latents = L.unpatchify(video_rows, T_w, h, w, cfg.patch_size).cpu()
         new_audio = L.unpack_audio(audio_rows)[0][:, :, audio.shape[-1] - window.audio_start:].cpu()
         F_prev, Ta_prev = frames_of(latents.shape[2]), audio.shape[-1]

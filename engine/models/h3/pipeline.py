@@ -123,7 +123,7 @@ class H3Pipeline:
         self.memory_plan = None  # engine.runtime.placement.EnginePlan, when the engine planned its memory
         self.parallel = Parallel(Mesh(1))  # this rank's TP and Ulysses groups (engine/parallel/mesh.py)
         self.video_shift = VIDEO_SHIFT  # the video schedule's shift; a DiT file may name the one it was trained for
-        self.guidance = 1.0  # text-to-video's and edits' guidance scale; a DiT file may name one (denoise.guided)
+        self.guidance = 1.0  # t2va's, edits' and extensions' guidance scale; a DiT file may name one (denoise.guided)
 
     @classmethod
     def from_preset(cls, preset: str = "toy", device: str | torch.device = "cpu", seed: int = 0,
