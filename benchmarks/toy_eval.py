@@ -3,12 +3,14 @@
 share of clips passing each check, all of them, and the issue's four named ones; for each bouncer, how closely its
 height follows the render's; where the render clicks, whether the contacts drawn agree with its clicks: the clicks
 check's pictures half; the issue's clicks number over the bouncing captions alone, and the share of the others where
-knocks are heard) and fl2va (PSNR of generated frame 0 against the rendered first frame, and of the last
-frame when both keyframes are given), the video VAE's reconstruction and the t2va checks on each clip round-tripped
-through both VAEs (the most a DiT can reach), masked edits of two-object clips (removal, replacement, sky repaint)
-and 5 s -> 15 s extensions (training/task_checks.py; each window prompted with what the scene shows from its start;
-with each scene's 15 s render round-tripped and judged at the same boundaries), and the trained SeedVR2 on
-degraded 2x clips against their bicubic upscale, and VSA's frames against dense attention's for the same seed.
+knocks are heard) and fl2va (PSNR of generated frame 0 against the rendered first frame, and of the last frame when
+both keyframes are given), the video VAE's reconstruction and the t2va checks on each clip round-tripped through
+both VAEs (the most a DiT can reach), how steady the t2va movers are (the extension's velocity check at every frame
+of the one window, away from contacts: what bounds an extension's later joins), masked edits of two-object clips
+(removal, replacement, sky repaint) and 5 s -> 15 s extensions (training/task_checks.py; each window prompted with
+what the scene shows from its start; with each scene's 15 s render round-tripped and judged at the same boundaries),
+and the trained SeedVR2 on degraded 2x clips against their bicubic upscale, and VSA's frames against dense
+attention's for the same seed.
 Prints a table and writes JSON.
 
     python benchmarks/toy_eval.py --weights engine/weights/toy --captions 20 --out benchmarks/results/toy_eval.json
@@ -37,7 +39,7 @@ from training.captions import caption, caption_at  # noqa: E402
 from training.quality import delta_e76, mean_colour_lab, psnr, ssim  # noqa: E402
 from training.scoring import NAMED_CHECKS, clicks_agree, score_clip  # noqa: E402
 from training.task_checks import (box_masks, extension_checks, height_correlation, removal_checks,  # noqa: E402
-                                  repaint_checks, replacement_checks)
+                                  repaint_checks, replacement_checks, steady_frames)
 from training.toy_scene import COLOURS, HORIZON, sample_scene, visible_on  # noqa: E402
 from training.toy_world import MAX_FRAMES, render  # noqa: E402
 from training.train import EVAL_SEED, FILES  # noqa: E402
@@ -160,6 +162,16 @@ def shares(rows: list[dict], task: str) -> dict:
             **{f"{task}_{k}": float(np.mean([c[k] for c in scored if k in c])) for k in names}}
 
 
+def counts(kept: list[bool]) -> list[int]:
+    return [int(sum(kept)), len(kept)]
+
+
+def pooled(rows: list[dict], key: str) -> float:
+    """The share of frames kept over all rows' [kept, judged] counts under `key`."""
+    kept, judged = np.sum([r[key] for r in rows], axis=0) if rows else (0, 0)
+    return float(kept / judged) if judged else float("nan")
+
+
 def click_fields(scene, scored: dict) -> dict:
     """What a t2va row keeps of the clicks: whether the caption names a bouncer, the knocks heard and the contacts
     drawn (frames)."""
@@ -279,6 +291,9 @@ def main() -> int:
                "vae_reconstruction_psnr": round(psnr(recon[:len(truth.frames)], truth.frames), 2),
                "bounce_height_correlation": [round(height_correlation(t2va.frames.numpy(), truth, k), 3)
                                              for k, o in enumerate(scene.objects) if o.motion == "bounces"],
+               # the extension's velocity check inside one window, where no join is: [frames kept, judged]
+               "t2va_steady_frames": counts(steady_frames(t2va.frames.numpy(), truth)),
+               "vae_roundtrip_steady_frames": counts(steady_frames(recon[:len(truth.frames)], truth)),
                # the clicks check's pictures half: would the render's own knocks agree with the contacts drawn?
                "t2va_contacts_agree_with_render_clicks": clicks_agree(
                    scored["detected"]["contacts"], list(truth.click_frames), len(truth.frames))
@@ -304,6 +319,7 @@ def main() -> int:
                    [r["t2va_contacts_agree_with_render_clicks"] for r in rows
                     if r["t2va_contacts_agree_with_render_clicks"] is not None] or [np.nan])),
                **click_shares(rows),
+               **{k: pooled(rows, k) for k in ("t2va_steady_frames", "vae_roundtrip_steady_frames")},
                "t2va_bounce_height_correlation_median": float(np.median(
                    [c for r in rows for c in r["bounce_height_correlation"]] or [np.nan])),
                **shares(edits, "removal"), **shares(edits, "replace"), **shares(edits, "replace_kept_sound"),

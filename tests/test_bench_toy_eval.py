@@ -1,9 +1,9 @@
 """benchmarks/toy_eval.py's clicks numbers: issue 18's share over the bouncing captions alone, and the knocks heard
-where nothing bounces, judged on the generator's own clips."""
+where nothing bounces, judged on the generator's own clips; its steadiness share, pooled over frames."""
 
 import numpy as np
 
-from benchmarks.toy_eval import click_fields, click_shares
+from benchmarks.toy_eval import click_fields, click_shares, counts, pooled
 from training.scoring import score_clip
 from training.toy_scene import sample_scene
 from training.toy_world import render
@@ -28,3 +28,10 @@ def test_the_clicks_number_is_over_bouncing_captions_and_knocks_without_a_bounce
     shares = click_shares(rows)
     assert shares["t2va_clicks_of_bouncing"] == 0.5 and shares["t2va_knocks_without_bounce"] == 0.5
     assert np.isnan(click_shares(rows[2:])["t2va_clicks_of_bouncing"])
+
+
+def test_steady_frames_pool_over_the_frames_judged_not_the_clips():
+    rows = [{"k": counts([True, True, True, False])}, {"k": counts([])}, {"k": counts([True] + [False] * 3)}]
+    assert rows[0]["k"] == [3, 4] and rows[1]["k"] == [0, 0]
+    assert pooled(rows, "k") == 0.5  # 4 of 8 frames; a clip without a mover in a line counts for nothing
+    assert np.isnan(pooled(rows[1:2], "k")) and np.isnan(pooled([], "k"))

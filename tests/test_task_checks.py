@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from training.task_checks import (box_masks, extension_checks, height_correlation, removal_checks, repaint_checks,
-                                  replacement_checks)
+                                  replacement_checks, steady_frames)
 from training.toy_scene import HORIZON, ToyObject, Scene, sample_scene
 from training.toy_world import render
 
@@ -84,6 +84,23 @@ def test_extension_velocity_counts_a_drift_below_its_floor_as_still():
     creeping = extension_checks(setting_off(2.0), truth.audio, truth, [124])
     assert creeping["checks"]["velocity"] and creeping["measurements"]["124.0.velocity_error"] > 0.35, creeping
     assert not extension_checks(setting_off(20.0), truth.audio, truth, [124])["checks"]["velocity"]
+
+
+def test_steady_frames_keep_a_render_and_not_a_stall():
+    """A mover in a line keeps its velocity at every frame judged, away from its wall hits; held still for half a
+    second mid-way (as a DiT's movers stall), the frames within a second of the hold are not; a still object is
+    not judged."""
+    mover = ToyObject("ball", "red", "large", "moves right", 0.6, 0.5, speed=0.06)
+    still = ToyObject("box", "blue", "small", "stays still", 0.5, 0.2)
+    truth = render(Scene((mover, still), "grey", True, False, 3), W, H, 5.0)
+    assert truth.contact_frames[0], "the mover hits the wall: frames near it are left out"
+    kept = steady_frames(truth.frames, truth)
+    assert all(kept) and len(kept) >= 24, len(kept)
+    stalled = truth.frames.copy()
+    stalled[40:52] = stalled[40]
+    stalled[52:] = truth.frames[40:len(truth.frames) - 12]
+    held = steady_frames(stalled, truth)
+    assert 12 <= len(held) - sum(held) < len(held), (sum(held), len(held))
 
 
 def test_height_correlation_follows_the_bounce_and_not_a_still_or_late_one():

@@ -11,7 +11,9 @@ the task was given (its render: masks, centroids, colours). The thresholds are i
   window's background stays within ΔE 5 of the first's.
 
 `height_correlation` is a graded measure, not one of the issue's checks: how closely a generated object's height
-follows the scene's own path (a bounce in time with the render's scores near 1, a still object near 0).
+follows the scene's own path (a bounce in time with the render's scores near 1, a still object near 0). So is
+`steady_frames`: the extension's velocity criterion at every frame of one generated window, where no join is (how
+steady a DiT's movers are on their own, which bounds what its later joins can reach).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from training.quality import delta_e76, mean_colour_lab, psnr, srgb_to_lab
-from training.scoring import colour_labels, hum_tones, track_colour
+from training.scoring import colour_labels, contact_frames, hum_tones, track_colour
 from training.toy_scene import BACKGROUNDS, COLOURS, DIRECTIONS, FPS, SAMPLE_RATE
 from training.toy_world import ToyClip
 
@@ -97,6 +99,34 @@ def _velocity(track, frames: slice) -> np.ndarray:
     return np.array([np.polyfit(t[seen], x, 1)[0], np.polyfit(t[seen], y, 1)[0]]) * FPS
 
 
+def _velocity_kept(track, before: slice, after: slice) -> tuple[bool, float]:
+    """Whether the velocity over `after` agrees with `before`'s within VELOCITY_TOLERANCE of the faster (both below
+    MIN_SPEED_PX_S: still, agreeing), and that relative error."""
+    v0, v1 = _velocity(track, before), _velocity(track, after)
+    s0, s1 = float(np.linalg.norm(v0)), float(np.linalg.norm(v1))
+    error = float(np.linalg.norm(v1 - v0) / max(s0, s1, MIN_SPEED_PX_S))
+    still = bool(np.isfinite([s0, s1]).all() and max(s0, s1) < MIN_SPEED_PX_S)
+    return still or error <= VELOCITY_TOLERANCE, error
+
+
+def steady_frames(frames: np.ndarray, truth: ToyClip) -> list[bool]:
+    """The extension's velocity criterion at every frame b of one generated window, for each object the caption moves
+    in a line: whether its velocity over the second after b agrees with the second before, at every b a second from
+    either end and more than a second from the render's contacts and from those the frames draw (a wall hit turns
+    the velocity)."""
+    labels, (height, width) = colour_labels(frames), frames.shape[1:3]
+    kept = []
+    for k, obj in enumerate(truth.scene.objects):
+        if obj.motion not in DIRECTIONS:
+            continue
+        track = track_colour(labels, obj.colour)
+        contacts = [*truth.contact_frames[k], *(c for side in contact_frames(track, width, height) for c in side)]
+        for b in range(FPS, len(frames) - FPS + 1):
+            if all(abs(c - b) > FPS for c in contacts):
+                kept.append(_velocity_kept(track, slice(b - FPS, b), slice(b, b + FPS))[0])
+    return kept
+
+
 def frame_differences(frames: np.ndarray) -> np.ndarray:
     """uint8 [F, H, W, 3] -> [F - 1]: the mean absolute change from frame i to i + 1."""
     return np.abs(np.diff(frames.astype(np.int16), axis=0)).mean((1, 2, 3))
@@ -120,13 +150,9 @@ def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boun
         for k, obj in enumerate(truth.scene.objects):
             if obj.motion not in LINEAR_MOTIONS or any(abs(c - b) <= FPS for c in truth.contact_frames[k]):
                 continue
-            track = track_colour(labels, obj.colour)
-            v0, v1 = _velocity(track, before), _velocity(track, after)
-            s0, s1 = float(np.linalg.norm(v0)), float(np.linalg.norm(v1))
-            error = float(np.linalg.norm(v1 - v0) / max(s0, s1, MIN_SPEED_PX_S))
+            agree, error = _velocity_kept(track_colour(labels, obj.colour), before, after)
             measured[f"{b}.{k}.velocity_error"] = error
-            still = bool(np.isfinite([s0, s1]).all() and max(s0, s1) < MIN_SPEED_PX_S)
-            speeds_agree.append(still or error <= VELOCITY_TOLERANCE)
+            speeds_agree.append(agree)
             if b == boundaries[0]:
                 first_join.append(speeds_agree[-1])
         measured[f"{b}.frame_difference"] = float(diffs[b - 1])
