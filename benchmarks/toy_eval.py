@@ -8,9 +8,10 @@ both keyframes are given), the video VAE's reconstruction and the t2va checks on
 both VAEs (the most a DiT can reach), how steady the t2va movers are (the extension's velocity check at every frame
 of the one window, away from contacts: what bounds an extension's later joins), masked edits of two-object clips
 (removal, replacement, sky repaint) and 5 s -> 15 s extensions (training/task_checks.py; each window prompted with
-what the scene shows from its start; with each scene's 15 s render round-tripped and judged at the same boundaries),
-and the trained SeedVR2 on degraded 2x clips against their bicubic upscale, and VSA's frames against dense
-attention's for the same seed.
+what the scene shows from its start; with each scene's 15 s render round-tripped and judged at the same boundaries;
+the joins kept by kind: a mover's first, after a wall hit, before one, a still object's; with `--extension-past
+render` each join also given a true past), and the trained SeedVR2 on degraded 2x clips against their bicubic
+upscale, and VSA's frames against dense attention's for the same seed.
 Prints a table and writes JSON.
 
     python benchmarks/toy_eval.py --weights engine/weights/toy --captions 20 --out benchmarks/results/toy_eval.json
@@ -38,9 +39,9 @@ from engine.models.seedvr2.pipeline import SeedVR2Pipeline  # noqa: E402
 from training.captions import caption, caption_at  # noqa: E402
 from training.quality import delta_e76, mean_colour_lab, psnr, ssim  # noqa: E402
 from training.scoring import NAMED_CHECKS, clicks_agree, score_clip  # noqa: E402
-from training.task_checks import (box_masks, extension_checks, height_correlation, removal_checks,  # noqa: E402
-                                  repaint_checks, replacement_checks, steady_frames)
-from training.toy_scene import COLOURS, HORIZON, sample_scene, visible_on  # noqa: E402
+from training.task_checks import (JOIN_KINDS, box_masks, extension_checks, height_correlation,  # noqa: E402
+                                  removal_checks, repaint_checks, replacement_checks, steady_frames)
+from training.toy_scene import COLOURS, FPS, HORIZON, SAMPLE_RATE, sample_scene, visible_on  # noqa: E402
 from training.toy_world import MAX_FRAMES, render  # noqa: E402
 from training.train import EVAL_SEED, FILES  # noqa: E402
 from training.train_seedvr2 import degrade, to_model  # noqa: E402
@@ -146,10 +147,28 @@ def extension_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict
                # the whole scene rendered and round-tripped through both VAEs, judged at the same boundaries
                "vae_roundtrip_extension": extension_checks(recon[:len(frames)], sound[:, :samples], truth,
                                                            boundaries)}
+        if args.extension_past == "render":
+            row["extension_from_render"] = joins_from_render(pipe, req, scene, truth, boundaries)
         rows.append(row)
         print(f"extend {i}: {row['extension']['checks']} (round trip: {row['vae_roundtrip_extension']['checks']})",
               flush=True)
     return rows
+
+
+def joins_from_render(pipe: H3Pipeline, req: ExtendRequest, scene, truth, boundaries: list[int]) -> dict:
+    """Each join of an extension given a true past: the render up to the join extended by one window with that
+    window's prompt, the join judged alone (what the DiT continues from a true guide, without the errors its own
+    earlier windows leave in the next one's)."""
+    joins = []
+    for i, b in enumerate(boundaries):
+        prompt = req.prompts[min(i, len(req.prompts) - 1)]  # as the engine's windows: the last one repeats
+        samples = round(b / FPS * SAMPLE_RATE)
+        out = pipe.extend(replace(req, source=Source(truth.frames[:b], audio=truth.audio[:, :samples]),
+                                  seconds=req.window_seconds, prompts=[prompt]))
+        frames = out.frames.numpy()[:len(truth.frames)]
+        audio = np.asarray(out.audio)[:, :round(len(frames) / FPS * SAMPLE_RATE)]
+        joins += extension_checks(frames, audio, truth, [b], source_frames=boundaries[0])["joins"]
+    return {"checks": {"velocity": all(j["kept"] for j in joins)}, "joins": joins}
 
 
 def shares(rows: list[dict], task: str) -> dict:
@@ -164,6 +183,13 @@ def shares(rows: list[dict], task: str) -> dict:
 
 def counts(kept: list[bool]) -> list[int]:
     return [int(sum(kept)), len(kept)]
+
+
+def joins_kept(rows: list[dict], task: str) -> dict:
+    """[kept, judged] of the rows' extension joins, by kind (task_checks.JOIN_KINDS)."""
+    joins = [j for r in rows if task in r for j in r[task]["joins"]]
+    return {f"{task}_joins_{kind}": counts([j["kept"] for j in joins if j["kind"] == kind])
+            for kind in JOIN_KINDS} if joins else {}
 
 
 def pooled(rows: list[dict], key: str) -> float:
@@ -250,6 +276,9 @@ def main() -> int:
     p.add_argument("--extension-prompts", choices=("window", "scene"), default="window",
                    help="each extension window prompted with what the scene shows from its start (after a wall hit "
                         "a mover goes the other way), or every window with the scene's caption")
+    p.add_argument("--extension-past", choices=("own", "render"), default="own",
+                   help="with render, each extension join is also judged given a true past: the render up to it "
+                        "extended by one window (extension_from_render)")
     p.add_argument("--out", default="benchmarks/results/toy_eval.json")
     p.add_argument("--vsa", type=int, default=4, help="captions generated dense and with VSA (quality rows)")
     p.add_argument("--vsa-sparsity", type=float, default=0.875)
@@ -325,10 +354,13 @@ def main() -> int:
                **shares(edits, "removal"), **shares(edits, "replace"), **shares(edits, "replace_kept_sound"),
                **shares(edits, "repaint"),
                **shares(extensions, "extension"), **shares(extensions, "vae_roundtrip_extension"),
+               **joins_kept(extensions, "extension"), **joins_kept(extensions, "vae_roundtrip_extension"),
+               **shares(extensions, "extension_from_render"), **joins_kept(extensions, "extension_from_render"),
                **upscale_rows(args, width, height), **vsa_rows(pipe, args, width, height),
                "wall_s": round(time.perf_counter() - t0, 1), "device": args.device, "weights": str(args.weights),
                "guidance": pipe.guidance, "steps": args.steps, "video_shift": pipe.video_shift,
-               "extension_prompts": args.extension_prompts, "extension_overlap": args.extension_overlap}
+               "extension_prompts": args.extension_prompts, "extension_overlap": args.extension_overlap,
+               "extension_past": args.extension_past}
     print("\n== toy eval (share of clips passing; PSNR in dB) ==")
     for k, v in summary.items():
         print(f"{k:38s} {v:.3f}" if isinstance(v, float) else f"{k:38s} {v}")

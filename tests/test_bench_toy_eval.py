@@ -1,9 +1,10 @@
 """benchmarks/toy_eval.py's clicks numbers: issue 18's share over the bouncing captions alone, and the knocks heard
-where nothing bounces, judged on the generator's own clips; its steadiness share, pooled over frames."""
+where nothing bounces, judged on the generator's own clips; its steadiness share, pooled over frames; the extension
+joins kept, pooled by kind."""
 
 import numpy as np
 
-from benchmarks.toy_eval import click_fields, click_shares, counts, pooled
+from benchmarks.toy_eval import click_fields, click_shares, counts, joins_kept, pooled
 from training.scoring import score_clip
 from training.toy_scene import sample_scene
 from training.toy_world import render
@@ -35,3 +36,14 @@ def test_steady_frames_pool_over_the_frames_judged_not_the_clips():
     assert rows[0]["k"] == [3, 4] and rows[1]["k"] == [0, 0]
     assert pooled(rows, "k") == 0.5  # 4 of 8 frames; a clip without a mover in a line counts for nothing
     assert np.isnan(pooled(rows[1:2], "k")) and np.isnan(pooled([], "k"))
+
+
+def test_extension_joins_pool_by_kind_over_the_rows():
+    def join(kind, kept):
+        return {"frame": 124, "object": 0, "kind": kind, "kept": kept}
+
+    rows = [{"extension": {"joins": [join("first", True), join("after_wall", False)]}},
+            {"extension": {"joins": [join("after_wall", True), join("still", True)]}}, {"caption": "no extension"}]
+    assert joins_kept(rows, "extension") == {"extension_joins_first": [1, 1], "extension_joins_after_wall": [1, 2],
+                                             "extension_joins_moving": [0, 0], "extension_joins_still": [1, 1]}
+    assert joins_kept(rows[2:], "extension") == {}

@@ -68,6 +68,25 @@ def test_extension_passes_the_continued_render_and_fails_a_cut():
     bad = extension_checks(cut, truth.audio, truth, boundaries)["checks"]
     assert not bad["no_jump"] and not bad["velocity"] and not bad["no_drift"], bad
     assert bad["velocity_first_join"], bad  # the cut is at the second boundary
+    assert [(j["kind"], j["kept"]) for j in good["joins"]] == [("first", True), ("moving", True)]
+    assert [j["kept"] for j in extension_checks(cut, truth.audio, truth, boundaries)["joins"]] == [True, False]
+
+
+def test_extension_joins_after_a_wall_hit_are_told_apart():
+    """A mover's later join past its render's wall hit is an after_wall join, judged in the whole extension or alone
+    from the render's past; a still object's joins are still."""
+    mover = ToyObject("ball", "red", "large", "moves right", 0.5, 0.3, speed=0.08)
+    still = ToyObject("box", "blue", "small", "stays still", 0.3, 0.7)
+    truth = render(Scene((mover, still), "grey", True, False, 3), W, H, 15.0)
+    hit = truth.contact_frames[0][0]
+    boundaries = [hit - 60, hit + 60]
+    out = extension_checks(truth.frames, truth.audio, truth, boundaries)
+    assert [(j["frame"], j["object"], j["kind"]) for j in out["joins"]] == [
+        (hit - 60, 0, "first"), (hit - 60, 1, "still"), (hit + 60, 0, "after_wall"), (hit + 60, 1, "still")], out
+    assert all(j["kept"] for j in out["joins"]), out
+    alone = extension_checks(truth.frames, truth.audio, truth, [hit + 60], source_frames=hit - 60)["joins"]
+    assert [j["kind"] for j in alone] == ["after_wall", "still"]  # a later join judged alone (a true past)
+    assert extension_checks(truth.frames, truth.audio, truth, [hit + 60])["joins"][0]["kind"] == "first"
 
 
 def test_extension_velocity_counts_a_drift_below_its_floor_as_still():

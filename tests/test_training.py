@@ -50,14 +50,33 @@ def test_every_task_layout_trains_the_dit():
     pictures = sample["tags"][("first", "last")].numel() - sample["tags"][()].numel()
     assert pictures > 0 and sample["text"][("first",)].shape[0] < sample["text"][("first", "last")].shape[0]
     pipe.dit.requires_grad_(True)
-    rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
     for task in TASKS:
         pipe.dit.zero_grad(set_to_none=True)
-        loss = dit_loss(pipe.dit, [sample] * 2, task, rng, gen)
+        loss = dit_loss(pipe.dit, [sample] * 2, task, np.random.default_rng(0), torch.Generator().manual_seed(0))
         loss.backward()
         assert torch.isfinite(loss), task
         for proj in (pipe.dit.condition_proj, pipe.dit.video_patch_proj, pipe.dit.audio_patch_proj):
             assert proj.weight.grad.abs().sum() > 0, task
+        with torch.no_grad():  # the same draws with the error's change between latent frames added: every layout's
+            steadier = dit_loss(pipe.dit, [sample] * 2, task, np.random.default_rng(0),  # rows are frame-major
+                                torch.Generator().manual_seed(0), temporal_weight=1.0)
+        assert steadier > loss, task
+
+
+def test_temporal_error_weighs_a_wavering_error_and_not_a_steady_one():
+    from training.train import temporal_error
+
+    frames, rows = 4, 6
+    steady = torch.full((1, frames * rows, 3), 0.5)
+    wavering = (torch.tensor([1.0, -1.0, 1.0, -1.0]) * 0.5).repeat_interleave(rows)[None, :, None].expand(1, -1, 3)
+    weight = torch.ones(1, frames * rows)
+    assert float(temporal_error(steady, weight, frames)) == 0.0
+    assert float(temporal_error(wavering, weight, frames)) == 1.0  # a change of 1 between every pair of frames
+    kept = weight.clone()
+    kept[0, rows:2 * rows] = 0  # an edit's kept cells in frame 1: its pairs with frames 0 and 2 do not count
+    only_last = wavering.clone()
+    only_last[0, :2 * rows] = 0.5
+    assert float(temporal_error(only_last, kept, frames)) == 1.0  # frames 2-3 alone, as all frames wavering
 
 
 def test_seedvr2_smoke_run_lowers_its_losses_and_writes_the_official_layout(tmp_path):

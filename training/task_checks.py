@@ -6,7 +6,8 @@ the task was given (its render: masks, centroids, colours). The thresholds are i
 - replacement: the named colour fills >= 50 % of the former object's area;
 - repaint: the masked region's mean colour moves to the named background's (nearer to it than to the source's);
 - extension: each window boundary continues the motion (velocity over the second before and after within 35 %,
-  for objects moving in a line or still; `velocity_first_join` reports the source's own join alone, beside it),
+  for objects moving in a line or still; `velocity_first_join` reports the source's own join alone, beside it, and
+  `joins` each object's join by its kind: JOIN_KINDS),
   shows no jump (frame difference at the boundary <= 2x the clip's median), keeps the hum's pitch, and the last
   window's background stays within ΔE 5 of the first's.
 
@@ -34,6 +35,9 @@ MIN_SPEED_PX_S = 4.0  # slower than this on both sides of a boundary counts as s
 JUMP_RATIO = 2.0
 DRIFT_DELTA_E = 5.0
 LINEAR_MOTIONS = (*DIRECTIONS, "stays still")
+# An extension's joins, by what the object does there: a mover at the source's own join, a mover at a later join
+# after a wall hit of its render (its window's guide holds the turn), one with none yet, and a still object.
+JOIN_KINDS = ("first", "after_wall", "moving", "still")
 MIN_SEEN_FRAMES = 12  # height_correlation: fewer frames with the object found score 0
 BOX_PAD = 6  # pixels around an object's bounding box, as a Mask Track Box drawn by hand leaves
 
@@ -136,15 +140,18 @@ def _window_audio(audio: np.ndarray, frames: slice) -> np.ndarray:
     return audio[:, int(frames.start / FPS * SAMPLE_RATE):int(frames.stop / FPS * SAMPLE_RATE)]
 
 
-def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boundaries: list[int]) -> dict:
+def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boundaries: list[int],
+                     source_frames: int | None = None) -> dict:
     """`truth`: the scene rendered for the whole length (the source is its start); `boundaries`: the first frame
     each window adds (the source's length, then each later window's). Velocities are judged for objects that move
-    in a line or stay still, away from their contacts (a wall hit turns the true velocity too)."""
+    in a line or stay still, away from their contacts (a wall hit turns the true velocity too). `source_frames`
+    (default the first boundary): the length of the clip the extension began from, whose join is a mover's first
+    (a later join judged alone keeps its own kind)."""
     labels = colour_labels(frames)
     diffs = frame_differences(frames)
     median = float(np.median(diffs))
     checks, measured = {}, {"median_frame_difference": median}
-    speeds_agree, jumps, first_join = [], [], []
+    speeds_agree, jumps, first_join, joins = [], [], [], []
     for b in boundaries:
         before, after = slice(max(0, b - FPS), b), slice(b, min(len(frames), b + FPS))
         for k, obj in enumerate(truth.scene.objects):
@@ -155,6 +162,9 @@ def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boun
             speeds_agree.append(agree)
             if b == boundaries[0]:
                 first_join.append(speeds_agree[-1])
+            kind = ("still" if obj.motion == "stays still" else "first" if b == (source_frames or boundaries[0])
+                    else "after_wall" if any(c < b for c in truth.contact_frames[k]) else "moving")
+            joins.append({"frame": b, "object": k, "kind": kind, "kept": agree})
         measured[f"{b}.frame_difference"] = float(diffs[b - 1])
         jumps.append(bool(diffs[b - 1] <= JUMP_RATIO * median))
     checks["velocity"], checks["velocity_first_join"] = all(speeds_agree), all(first_join)
@@ -167,7 +177,7 @@ def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boun
     drift = float(delta_e76(mean_colour_lab(frames[first], outside[0]), mean_colour_lab(frames[last], outside[1])))
     measured["background_drift_delta_e"] = drift
     checks["no_drift"] = bool(drift <= DRIFT_DELTA_E)
-    return {"checks": checks, "measurements": measured}
+    return {"checks": checks, "measurements": measured, "joins": joins}
 
 
 def height_correlation(frames: np.ndarray, truth: ToyClip, index: int) -> float:

@@ -85,6 +85,10 @@ KNOCK_SPAN_S = 0.05
 # second an extension's velocity check judges after each join) weigh 1 + W. Stop 67 tried 10-40 against the DiT's
 # slowing there (benchmarks/extension_join.py): the first 12 new frames stayed at ~0.5 of the rendered speed.
 JOIN_LATENTS = 6
+# `--dit-temporal-weight W`: the change of the video rows' prediction error from one latent frame to the next weighs
+# W beside the plain error. An error a clip's frames share (an object drawn a pixel off throughout) adds nothing, one
+# that changes between frames (a mover whose speed wavers: stop 69's steady frames, 0.59) its squares twice over; the
+# best prediction is unchanged, a small DiT only spends its errors elsewhere.
 OBJECT_DILATE = 2  # a VAE's pixel loss is weighted 1 + OBJECT_WEIGHT within this many pixels of an object
 FINISH_S = 30  # of --minutes kept for the last evaluation and the files
 VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of the temporal chunking
@@ -520,7 +524,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
              teacher=None, guidance: float = 1.0, video_shift: float = VIDEO_SHIFT,
              noise_gen: torch.Generator | None = None, edit_tracks: float = 0.0,
              edit_kept_sound: float = 0.0, keep: tuple[str, ...] = (), knock_weight: float = 0.0,
-             join_weight: float = 0.0) -> torch.Tensor:
+             join_weight: float = 0.0, temporal_weight: float = 0.0) -> torch.Tensor:
     """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
@@ -533,9 +537,10 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     `guidance` other than 1, a DISTILLED_TASKS layout's target is its velocity guided by `guidance`
     (engine/models/h3/denoise.py), else the flow's, with a `caption_drop` share of the prompts zeroed; `keep`
     ("video", "audio"): those rows' target is the `teacher`'s own velocity on the same rows. The audio rows near a
-    contact weigh 1 + `knock_weight`, an extension's video rows of the JOIN_LATENTS after its guide 1 + `join_weight`.
-    The noise comes from `noise_gen` (a generator on the device: drawn on the host, a batch's noise costs more than
-    its step) or else `gen`."""
+    contact weigh 1 + `knock_weight`, an extension's video rows of the JOIN_LATENTS after its guide 1 + `join_weight`;
+    `temporal_weight` adds the video error's change between latent frames (`temporal_error`). The noise comes from
+    `noise_gen` (a generator on the device: drawn on the host, a batch's noise costs more than its step) or else
+    `gen`."""
     device = batch[0]["video"].device
     clips = [b.get("later", b) for b in batch] if task == "extend" else batch
     x0v = L.patchify(torch.stack([b["video"] for b in clips]))
@@ -615,13 +620,25 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
         target_v, target_a = target_v[:, cond_v.shape[1]:], target_a[:, cond_a.shape[1]:]
     with autocast:
         v_out, a_out = dit(video, audio, text, *rows)
-    v_err = (v_out[:, cond_v.shape[1]:].float() - target_v).pow(2).mean(-1)
-    video_loss = (v_err * weight).sum() / weight.sum().clamp(min=1)
+    v_diff = v_out[:, cond_v.shape[1]:].float() - target_v
+    video_loss = (v_diff.pow(2).mean(-1) * weight).sum() / weight.sum().clamp(min=1)
+    if temporal_weight:
+        video_loss = video_loss + temporal_weight * temporal_error(v_diff, weight, T)
     if sound_given:
         return video_loss
     a_err = (a_out[:, cond_a.shape[1]:].float() - target_a).pow(2).mean(-1)
     a_weight = 1 + knock_weight * torch.stack([b["knocks"] for b in clips]).repeat(1, x0a.shape[1] // Ta)
     return video_loss + (a_err * a_weight).sum() / a_weight.sum()
+
+
+def temporal_error(diff: torch.Tensor, weight: torch.Tensor, frames: int) -> torch.Tensor:
+    """diff [B, N, C] of video rows (frame-major, `frames` latent frames), weight [B, N] -> the weighted mean square
+    of the diff's change from each latent frame to the next, a pair of rows weighing as the lighter of the two (an
+    edit's kept cells weigh 0)."""
+    step = diff.unflatten(1, (frames, -1)).diff(dim=1).pow(2).mean(-1)
+    pair = weight.unflatten(1, (frames, -1))
+    pair = torch.minimum(pair[:, 1:], pair[:, :-1])
+    return (step * pair).sum() / pair.sum().clamp(min=1)
 
 
 @torch.no_grad()
@@ -792,7 +809,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
               edit_tracks: float = 0.0, two_object_boost: float = 1.0, edit_kept_sound: float = 0.0,
               tasks: dict[str, float] = TASKS, extend_caption_drop: float | None = None,
               keep_video: bool = False, data_tasks: tuple[str, ...] | None = None, knock_weight: float = 0.0,
-              join_weight: float = 0.0) -> None:
+              join_weight: float = 0.0, temporal_weight: float = 0.0) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
     exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
     `compile` runs the blocks of the training steps through torch.compile, one block at a time (dynamic shapes; the
@@ -808,7 +825,8 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     that attention frozen, drew no knock in 778 steps and still lost a removal). `data_tasks`: only these layouts
     learn from the data, every other one the DiT as it starts (both rows), so what those do stays while these are
     taught. `knock_weight`: the audio rows near a contact weigh that much more (KNOCK_SPAN_S); `join_weight`: an
-    extension's video rows just after its guide (JOIN_LATENTS)."""
+    extension's video rows just after its guide (JOIN_LATENTS); `temporal_weight`: the video error's change between
+    latent frames (`temporal_error`)."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
     kept_by_teacher = keep_video or data_tasks is not None
@@ -846,7 +864,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
         keep = ("video",) if keep_video else ("video", "audio") if data_tasks and task not in data_tasks else ()
         loss = dit_loss(dit, [data[i] for i in picks], task, step_rng, gen, dropped, teacher, guidance,
                         pipe.video_shift, None if max_steps else noise_gen, edit_tracks, edit_kept_sound, keep,
-                        knock_weight, join_weight)
+                        knock_weight, join_weight, temporal_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -961,6 +979,9 @@ def main(argv=None) -> int:
     p.add_argument("--dit-join-weight", type=float, default=0.0, metavar="W",
                    help="an extension step's video rows of the JOIN_LATENTS latent frames after its guide weigh 1 + W "
                         "in the DiT's loss")
+    p.add_argument("--dit-temporal-weight", type=float, default=0.0, metavar="W",
+                   help="the change of the DiT's video error from one latent frame to the next weighs W in its loss "
+                        "(a mover's wavering speed costs more than a steady offset)")
     p.add_argument("--later-windows", action="store_true",
                    help="every clip also gets a window of its scene from a random later start (up to 15 s), and "
                         "the extension steps train on those: guides with objects mid-path or past a wall hit, each "
@@ -1063,7 +1084,7 @@ def main(argv=None) -> int:
                   args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost,
                   args.edit_tracks, args.two_object_boost, args.edit_kept_sound, task_shares(args.task_share),
                   args.extend_caption_drop, args.dit_keep_video, args.dit_data_tasks, args.dit_knock_weight,
-                  args.dit_join_weight)
+                  args.dit_join_weight, args.dit_temporal_weight)
         save_compiled(args.compile_cache if args.compile else None)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
