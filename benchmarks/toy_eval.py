@@ -148,14 +148,14 @@ def extension_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict
                "vae_roundtrip_extension": extension_checks(recon[:len(frames)], sound[:, :samples], truth,
                                                            boundaries)}
         if args.extension_past == "render":
-            row["extension_from_render"] = joins_from_render(pipe, req, scene, truth, boundaries)
+            row["extension_from_render"] = joins_from_render(pipe, req, truth, boundaries)
         rows.append(row)
         print(f"extend {i}: {row['extension']['checks']} (round trip: {row['vae_roundtrip_extension']['checks']})",
               flush=True)
     return rows
 
 
-def joins_from_render(pipe: H3Pipeline, req: ExtendRequest, scene, truth, boundaries: list[int]) -> dict:
+def joins_from_render(pipe: H3Pipeline, req: ExtendRequest, truth, boundaries: list[int]) -> dict:
     """Each join of an extension given a true past: the render up to the join extended by one window with that
     window's prompt, the join judged alone (what the DiT continues from a true guide, without the errors its own
     earlier windows leave in the next one's)."""

@@ -85,10 +85,6 @@ KNOCK_SPAN_S = 0.05
 # second an extension's velocity check judges after each join) weigh 1 + W. Stop 67 tried 10-40 against the DiT's
 # slowing there (benchmarks/extension_join.py): the first 12 new frames stayed at ~0.5 of the rendered speed.
 JOIN_LATENTS = 6
-# `--dit-temporal-weight W`: the change of the video rows' prediction error from one latent frame to the next weighs
-# W beside the plain error. An error a clip's frames share (an object drawn a pixel off throughout) adds nothing, one
-# that changes between frames (a mover whose speed wavers: stop 69's steady frames, 0.59) its squares twice over; the
-# best prediction is unchanged, a small DiT only spends its errors elsewhere.
 OBJECT_DILATE = 2  # a VAE's pixel loss is weighted 1 + OBJECT_WEIGHT within this many pixels of an object
 FINISH_S = 30  # of --minutes kept for the last evaluation and the files
 VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of the temporal chunking
@@ -634,7 +630,9 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
 def temporal_error(diff: torch.Tensor, weight: torch.Tensor, frames: int) -> torch.Tensor:
     """diff [B, N, C] of video rows (frame-major, `frames` latent frames), weight [B, N] -> the weighted mean square
     of the diff's change from each latent frame to the next, a pair of rows weighing as the lighter of the two (an
-    edit's kept cells weigh 0)."""
+    edit's kept cells weigh 0). An error the frames share (an object drawn a pixel off throughout) adds nothing, one
+    that changes between frames (a mover whose speed wavers) its squares twice over: the best prediction is the same,
+    a small DiT only spends its errors elsewhere."""
     step = diff.unflatten(1, (frames, -1)).diff(dim=1).pow(2).mean(-1)
     pair = weight.unflatten(1, (frames, -1))
     pair = torch.minimum(pair[:, 1:], pair[:, :-1])
