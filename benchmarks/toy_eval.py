@@ -4,14 +4,15 @@ share of clips passing each check, all of them, and the issue's four named ones;
 height follows the render's; where the render clicks, whether the contacts drawn agree with its clicks: the clicks
 check's pictures half; the issue's clicks number over the bouncing captions alone, and the share of the others where
 knocks are heard) and fl2va (PSNR of generated frame 0 against the rendered first frame, and of the last frame when
-both keyframes are given), the video VAE's reconstruction and the t2va checks on each clip round-tripped through
-both VAEs (the most a DiT can reach), how steady the t2va movers are (the extension's velocity check at every frame
-of the one window, away from contacts: what bounds an extension's later joins), masked edits of two-object clips
-(removal, replacement, sky repaint) and 5 s -> 15 s extensions (training/task_checks.py; each window prompted with
-what the scene shows from its start; with each scene's 15 s render round-tripped and judged at the same boundaries;
-the joins kept by kind: a mover's first, after a wall hit, before one, a still object's; with `--extension-past
-render` each join also given a true past), and the trained SeedVR2 on degraded 2x clips against their bicubic
-upscale, and VSA's frames against dense attention's for the same seed.
+both keyframes are given), the video VAE's reconstruction and the t2va checks on each clip round-tripped through both
+VAEs (the most a DiT can reach), how steady the t2va movers are (the extension's velocity check at every frame of the
+one window, away from contacts: what bounds an extension's later joins), masked edits of two-object clips (removal,
+replacement, sky repaint) and 5 s -> 15 s extensions (training/task_checks.py; each window prompted with what the
+scene shows from its start; with each scene's 15 s render round-tripped and judged at the same boundaries; the joins
+kept by kind: a mover's first, after a wall hit, before one, a still object's; with `--extension-past render` each
+join also given a true past; with `--guide-speeds F ...` whether the DiT reads a mover's speed from the guide: the
+scenes' movers at F times their speed, extended from GUIDE_JOIN), and the trained SeedVR2 on degraded 2x clips against
+their bicubic upscale, and VSA's frames against dense attention's for the same seed.
 Prints a table and writes JSON.
 
     python benchmarks/toy_eval.py --weights engine/weights/toy --captions 20 --out benchmarks/results/toy_eval.json
@@ -40,7 +41,7 @@ from training.captions import caption, caption_at  # noqa: E402
 from training.quality import delta_e76, mean_colour_lab, psnr, ssim  # noqa: E402
 from training.scoring import NAMED_CHECKS, clicks_agree, score_clip  # noqa: E402
 from training.task_checks import (JOIN_KINDS, box_masks, extension_checks, height_correlation,  # noqa: E402
-                                  removal_checks, repaint_checks, replacement_checks, steady_frames)
+                                  removal_checks, repaint_checks, replacement_checks, speed_kept, steady_frames)
 from training.toy_scene import COLOURS, FPS, HORIZON, SAMPLE_RATE, sample_scene, visible_on  # noqa: E402
 from training.toy_world import MAX_FRAMES, render  # noqa: E402
 from training.train import EVAL_SEED, FILES  # noqa: E402
@@ -52,6 +53,9 @@ from training.train_seedvr2 import degrade, to_model  # noqa: E402
 # source comes back, ΔE 0.4-0.9 from it).
 REPAINT_STRENGTH = 1.0
 EXTENSION_SEED = EVAL_SEED + 3000  # the extension rows' scenes: the first held-out ones from here
+# The guide-speed rows' join: a whole number of VAE chunks (17n + 5 frames: none of the source regenerated), early
+# enough that a mover at twice its speed has not reached a wall.
+GUIDE_JOIN = 56
 
 
 def load(weights: Path, device: str) -> H3Pipeline:
@@ -153,6 +157,27 @@ def extension_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict
         print(f"extend {i}: {row['extension']['checks']} (round trip: {row['vae_roundtrip_extension']['checks']})",
               flush=True)
     return rows
+
+
+def guide_speed_rows(pipe: H3Pipeline, args, width: int, height: int) -> dict:
+    """Does the DiT read a mover's speed from the guide? Each extension scene with its movers at `--guide-speeds`
+    times their speed, rendered to GUIDE_JOIN and extended by one window (prompted with what it shows from there):
+    the median over movers of their speed after the join over the guide's (`speed_kept`: 1 for a DiT that keeps the
+    guide's speed, 1 / F for one that draws its own speed for the prompt whatever the guide shows)."""
+    ratios = {f: [] for f in args.guide_speeds}
+    for i, base in enumerate(scenes_where(lambda s: True, EXTENSION_SEED, args.extensions, width, height)):
+        for f in args.guide_speeds:
+            scene = replace(base, objects=tuple(replace(o, speed=o.speed * f) for o in base.objects))
+            truth = render(scene, width, height, num_frames=GUIDE_JOIN + FPS)
+            source = Source(truth.frames[:GUIDE_JOIN], audio=truth.audio[:, :round(GUIDE_JOIN / FPS * SAMPLE_RATE)])
+            out = pipe.extend(ExtendRequest(source, 5.0, [caption_at(scene, GUIDE_JOIN / FPS, width, height)],
+                                            window_seconds=5.0, seed=i, steps=args.steps,
+                                            overlap_latents=args.extension_overlap))
+            kept = speed_kept(out.frames.numpy()[:len(truth.frames)], truth, GUIDE_JOIN)
+            ratios[f] += kept
+            print(f"guide speed x{f:g} {i}: after / guide {' '.join(f'{r:.2f}' for r in kept) or '-'}", flush=True)
+    return {f"extension_speed_after_over_guide_x{f:g}_median": float(np.median(r)) if r else float("nan")
+            for f, r in ratios.items()}
 
 
 def joins_from_render(pipe: H3Pipeline, req: ExtendRequest, truth, boundaries: list[int]) -> dict:
@@ -279,6 +304,9 @@ def main() -> int:
     p.add_argument("--extension-past", choices=("own", "render"), default="own",
                    help="with render, each extension join is also judged given a true past: the render up to it "
                         "extended by one window (extension_from_render)")
+    p.add_argument("--guide-speeds", type=float, nargs="+", default=[], metavar="F",
+                   help="the extension scenes' movers at these multiples of their speed, each extended from frame "
+                        "GUIDE_JOIN: their speed after the join over the guide's")
     p.add_argument("--out", default="benchmarks/results/toy_eval.json")
     p.add_argument("--vsa", type=int, default=4, help="captions generated dense and with VSA (quality rows)")
     p.add_argument("--vsa-sparsity", type=float, default=0.875)
@@ -356,6 +384,7 @@ def main() -> int:
                **shares(extensions, "extension"), **shares(extensions, "vae_roundtrip_extension"),
                **joins_kept(extensions, "extension"), **joins_kept(extensions, "vae_roundtrip_extension"),
                **shares(extensions, "extension_from_render"), **joins_kept(extensions, "extension_from_render"),
+               **guide_speed_rows(pipe, args, width, height),
                **upscale_rows(args, width, height), **vsa_rows(pipe, args, width, height),
                "wall_s": round(time.perf_counter() - t0, 1), "device": args.device, "weights": str(args.weights),
                "guidance": pipe.guidance, "steps": args.steps, "video_shift": pipe.video_shift,

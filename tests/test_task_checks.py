@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from training.task_checks import (box_masks, extension_checks, height_correlation, removal_checks, repaint_checks,
-                                  replacement_checks, steady_frames)
+                                  replacement_checks, speed_kept, steady_frames)
 from training.toy_scene import HORIZON, ToyObject, Scene, sample_scene
 from training.toy_world import render
 
@@ -120,6 +120,24 @@ def test_steady_frames_keep_a_render_and_not_a_stall():
     stalled[52:] = truth.frames[40:len(truth.frames) - 12]
     held = steady_frames(stalled, truth)
     assert 12 <= len(held) - sum(held) < len(held), (sum(held), len(held))
+
+
+def test_speed_kept_is_one_for_the_render_and_the_speed_ratio_for_another_speed():
+    """A mover continued at the guide's speed keeps 1; one that goes on at half the guide's speed (a DiT drawing its
+    own speed whatever the guide shows) keeps 0.5; the still object and a mover near a wall hit are not judged."""
+    mover = ToyObject("ball", "red", "large", "moves right", 0.5, 0.5, speed=0.06)
+    still = ToyObject("box", "blue", "small", "stays still", 0.3, 0.2)
+    fast = Scene((replace(mover, speed=0.12), still), "grey", True, False, 3)
+    truth = render(fast, W, H, num_frames=80)
+    assert speed_kept(truth.frames, truth, 56) == pytest.approx([1.0], abs=0.05)
+    slow = render(replace(fast, objects=(mover, still)), W, H, num_frames=80)
+    shift = truth.centroids[0, 56, 0] - slow.centroids[0, 56, 0]  # the slow one's path from where the guide ends
+    slowed = truth.frames.copy()
+    slowed[56:] = np.roll(slow.frames[56:], round(shift), axis=2)
+    assert speed_kept(slowed, truth, 56) == pytest.approx([0.5], abs=0.05)
+    longer = render(fast, W, H, 5.0)
+    hit = longer.contact_frames[0][0]
+    assert speed_kept(longer.frames, longer, hit) == [] and speed_kept(longer.frames, longer, hit - 30) != []
 
 
 def test_height_correlation_follows_the_bounce_and_not_a_still_or_late_one():

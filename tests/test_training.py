@@ -63,6 +63,35 @@ def test_every_task_layout_trains_the_dit():
         assert steadier > loss, task
 
 
+def test_a_deepened_dit_computes_what_it_did_and_trains_its_new_blocks():
+    """`--dit-layers`: the added blocks (copies with closed gates) leave every output as it was; their gates then
+    take gradient, and a DiT cannot be shrunk."""
+    from engine.kernels import attention
+    from training.train import deepen, dit_loss, prepare, toy_clips
+
+    attention.set_backend("sdpa")
+    pipe = H3Pipeline.from_preset("tiny")
+    sample = prepare(pipe, toy_clips(range(1), 96, 64, 0.9, 1))[0]
+
+    def loss(task):
+        return dit_loss(pipe.dit, [sample], task, np.random.default_rng(0), torch.Generator().manual_seed(0))
+
+    with torch.no_grad():
+        before = {task: loss(task) for task in ("t2va", "extend")}
+    old = pipe.dit.blocks[1]
+    pipe.dit = deepen(pipe.dit, 5)
+    assert len(pipe.dit.blocks) == pipe.dit.config.num_layers == 5 and pipe.dit.blocks[3] is old  # 0 0' 0' 1 1'
+    with torch.no_grad():
+        for task, value in before.items():
+            assert torch.allclose(loss(task), value, rtol=1e-5, atol=1e-6), task
+    pipe.dit.requires_grad_(True)
+    loss("t2va").backward()
+    added = [b for b in pipe.dit.blocks if b.adaln_proj.linear.bias.grad.abs().sum() > 0]
+    assert len(added) == 5
+    with pytest.raises(ValueError, match="only grow"):
+        deepen(pipe.dit, 4)
+
+
 def test_temporal_error_weighs_a_wavering_error_and_not_a_steady_one():
     from training.train import temporal_error
 

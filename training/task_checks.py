@@ -14,7 +14,8 @@ the task was given (its render: masks, centroids, colours). The thresholds are i
 `height_correlation` is a graded measure, not one of the issue's checks: how closely a generated object's height
 follows the scene's own path (a bounce in time with the render's scores near 1, a still object near 0). So is
 `steady_frames`: the extension's velocity criterion at every frame of one generated window, where no join is (how
-steady a DiT's movers are on their own, which bounds what its later joins can reach).
+steady a DiT's movers are on their own, which bounds what its later joins can reach), and `speed_kept`: a mover's
+speed after a join over the guide's (whether a DiT reads the speed from the guide or draws its own for the prompt).
 """
 
 from __future__ import annotations
@@ -138,6 +139,18 @@ def frame_differences(frames: np.ndarray) -> np.ndarray:
 
 def _window_audio(audio: np.ndarray, frames: slice) -> np.ndarray:
     return audio[:, int(frames.start / FPS * SAMPLE_RATE):int(frames.stop / FPS * SAMPLE_RATE)]
+
+
+def speed_kept(frames: np.ndarray, truth: ToyClip, join: int) -> list[float]:
+    """Each object moving in a line, away from its contacts: its speed over the second after `join` in `frames` over
+    the render's over the second before (1 where the guide's speed is kept)."""
+    labels, ratios = colour_labels(frames), []
+    for k, obj in enumerate(truth.scene.objects):
+        if obj.motion not in DIRECTIONS or any(abs(c - join) <= FPS for c in truth.contact_frames[k]):
+            continue
+        guide = np.hypot(*(truth.centroids[k, join - 1] - truth.centroids[k, join - FPS])) / (FPS - 1) * FPS
+        ratios.append(float(np.hypot(*_velocity(track_colour(labels, obj.colour), slice(join, join + FPS))) / guide))
+    return ratios
 
 
 def extension_checks(frames: np.ndarray, audio: np.ndarray, truth: ToyClip, boundaries: list[int],

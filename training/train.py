@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import time
+from collections import Counter
 from dataclasses import replace
 from multiprocessing import Pool
 from pathlib import Path
@@ -38,7 +39,7 @@ from engine.models.h3 import layout as L
 from engine.models.h3 import mask as M
 from engine.models.h3.checkpoint import save_dit
 from engine.models.h3.conditioner import build_tiny_conditioner, text_encoder_file_tensors
-from engine.models.h3.config import TINY
+from engine.models.h3.config import NUM_MODALITIES, TINY
 from engine.models.h3.denoise import Target, guided
 from engine.models.h3.dit import build_dit
 from engine.models.h3.extend import frames_of
@@ -888,6 +889,29 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     dit.eval().requires_grad_(False)
 
 
+def deepen(dit, layers: int):
+    """`dit` grown to `layers` blocks, computing exactly what it did: each added block a copy of the one before it
+    with its two gates' rows of the AdaLN projection zeroed (its residual branches add nothing until training opens
+    them), the copies spread evenly between the old blocks."""
+    old = len(dit.blocks)
+    if layers < old:
+        raise ValueError(f"--dit-layers {layers}: the resumed DiT has {old} blocks; it can only grow")
+    added = layers - old
+    copies_after = Counter(max(0, round((j + 1) * old / (added + 1)) - 1) for j in range(added))
+    blocks = []
+    for i, block in enumerate(dit.blocks):
+        blocks.append(block)
+        for _ in range(copies_after[i]):
+            blocks.append(copy.deepcopy(block))
+            linear, width = blocks[-1].adaln_proj.linear, dit.config.hidden_size
+            with torch.no_grad():  # tables per modality: shift, scale, gate (attention), then the MLP's
+                linear.weight.view(NUM_MODALITIES, 6, width, -1)[:, [2, 5]] = 0
+                linear.bias.view(NUM_MODALITIES, 6, width)[:, [2, 5]] = 0
+    dit.blocks = nn.ModuleList(blocks)
+    dit.config = replace(dit.config, num_layers=layers)
+    return dit
+
+
 def save(pipe: H3Pipeline, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_dit(copy.deepcopy(pipe.dit).set_dtype(torch.bfloat16).cpu(), out / FILES["dit"],
@@ -911,6 +935,9 @@ def main(argv=None) -> int:
     p.add_argument("--fresh-dit", action="store_true",
                    help="with --resume: a DiT drawn from --seed instead of the file's (the other parts resumed; "
                         "the text encoder's embeddings rescaled to unit RMS, see text_at_unit_scale)")
+    p.add_argument("--dit-layers", type=int, default=None, metavar="N",
+                   help="the resumed DiT grown to N blocks, each added one a copy of its neighbour with closed gates "
+                        "(it starts computing what the resumed DiT does)")
     p.add_argument("--fresh-audio-vae", action="store_true",
                    help="with --resume: an audio VAE drawn from --seed (TOY_AUDIO_VAE) instead of the file's; a DiT "
                         "resumed on it relearns the sound")
@@ -1027,6 +1054,8 @@ def main(argv=None) -> int:
                           training_canvas(width, height), device, "toy")
     if args.fresh_dit:
         pipe.dit = build_dit(TOY, seed=args.seed, device=device)
+    if args.dit_layers:
+        pipe.dit = deepen(pipe.dit, args.dit_layers)
     if args.fresh_audio_vae:
         pipe.audio_vae = fresh_audio_vae(args.seed).to(device)
     if args.fresh_video_decoder:
