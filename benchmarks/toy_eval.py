@@ -163,21 +163,23 @@ def guide_speed_rows(pipe: H3Pipeline, args, width: int, height: int) -> dict:
     """Does the DiT read a mover's speed from the guide? Each extension scene with its movers at `--guide-speeds`
     times their speed, rendered to GUIDE_JOIN and extended by one window (prompted with what it shows from there):
     the median over movers of their speed after the join over the guide's (`speed_kept`: 1 for a DiT that keeps the
-    guide's speed, 1 / F for one that draws its own speed for the prompt whatever the guide shows)."""
-    ratios = {f: [] for f in args.guide_speeds}
+    guide's speed, 1 / F for one that draws its own speed for the prompt whatever the guide shows); beside it the
+    same of the render round-tripped through the VAEs (what they let through)."""
+    ratios = {(task, f): [] for task in ("extension", "vae_roundtrip") for f in args.guide_speeds}
     for i, base in enumerate(scenes_where(lambda s: True, EXTENSION_SEED, args.extensions, width, height)):
         for f in args.guide_speeds:
             scene = replace(base, objects=tuple(replace(o, speed=o.speed * f) for o in base.objects))
-            truth = render(scene, width, height, num_frames=GUIDE_JOIN + FPS)
+            truth = render(scene, width, height, num_frames=GUIDE_JOIN + 2 * 17)  # 17n + 5: the VAEs take it whole
             source = Source(truth.frames[:GUIDE_JOIN], audio=truth.audio[:, :round(GUIDE_JOIN / FPS * SAMPLE_RATE)])
             out = pipe.extend(ExtendRequest(source, 5.0, [caption_at(scene, GUIDE_JOIN / FPS, width, height)],
                                             window_seconds=5.0, seed=i, steps=args.steps,
                                             overlap_latents=args.extension_overlap))
             kept = speed_kept(out.frames.numpy()[:len(truth.frames)], truth, GUIDE_JOIN)
-            ratios[f] += kept
+            ratios["extension", f] += kept
+            ratios["vae_roundtrip", f] += speed_kept(round_trip(pipe, truth)[0], truth, GUIDE_JOIN)
             print(f"guide speed x{f:g} {i}: after / guide {' '.join(f'{r:.2f}' for r in kept) or '-'}", flush=True)
-    return {f"extension_speed_after_over_guide_x{f:g}_median": float(np.median(r)) if r else float("nan")
-            for f, r in ratios.items()}
+    return {f"{task}_speed_after_over_guide_x{f:g}_median": float(np.median(r)) if r else float("nan")
+            for (task, f), r in ratios.items()}
 
 
 def joins_from_render(pipe: H3Pipeline, req: ExtendRequest, truth, boundaries: list[int]) -> dict:
