@@ -541,7 +541,7 @@ def test_later_windows_give_the_extension_steps_guides_from_mid_scene():
     from training.toy_world import render
 
     attention.set_backend("sdpa")
-    frames, audio, _, _, _, (later, later_audio, cover, _, _), _ = train.render_clip((5, 96, 64, 0.9, True))
+    frames, audio, _, _, _, (later, later_audio, cover, _, _), _ = train.render_clip((5, 96, 64, 0.9, True, 1.0))
     whole = render(sample_scene(5, 96, 64), 96, 64, num_frames=train.MAX_FRAMES)
     start = next(s for s in range(train.MAX_FRAMES) if np.array_equal(whole.frames[s:s + len(frames)], later))
     assert start > 0 and later.shape == frames.shape and later_audio.shape == audio.shape
@@ -573,7 +573,7 @@ def test_a_later_window_is_prompted_with_what_it_shows_after_the_guide():
     from training.toy_world import render
 
     attention.set_backend("sdpa")
-    frames, _, told, _, _, (later, _, _, later_told, _), _ = train.render_clip((4, 96, 64, 0.9, True))
+    frames, _, told, _, _, (later, _, _, later_told, _), _ = train.render_clip((4, 96, 64, 0.9, True, 1.0))
     assert told == "a small blue triangle moves right on sand; rain falls"
     assert later_told == "a small blue triangle moves left on sand; rain falls"
     scene = sample_scene(4, 96, 64)
@@ -591,6 +591,36 @@ def test_a_later_window_is_prompted_with_what_it_shows_after_the_guide():
         train.dit_loss(pipe.dit, [sample], task, np.random.default_rng(0), torch.Generator().manual_seed(0))
     torch.testing.assert_close(texts[0], sample["later"]["text"][()])
     torch.testing.assert_close(texts[1], sample["text"][()])
+
+
+def test_a_speed_spread_runs_each_later_window_mover_at_its_own_speed_under_the_same_prompt():
+    """`--later-speed-spread 2`: a later window's movers cross the frames at 1/2..2 times the scene's speed (measured
+    on the rendered pixels), each its own factor, from the same start frame and under the prompt of the scene at that
+    speed (`caption_at`: only a direction turned by a wall hit differs); the clip itself is the scene's."""
+    import numpy as np
+
+    import training.train as train
+    from training.captions import parse_caption
+    from training.scoring import colour_labels, track_colour
+    from training.toy_scene import DIRECTIONS, sample_scene
+
+    def speed(frames, colour):  # mean pixels a frame of the colour's centroid
+        track = track_colour(colour_labels(frames), colour)
+        return float(np.nanmean(np.hypot(np.diff(track.x), np.diff(track.y))))
+
+    ratios = []
+    seeds = [s for s in range(60) if any(o.motion in DIRECTIONS for o in sample_scene(s, 224, 128).objects)][:8]
+    for seed in seeds:
+        plain, spread = (train.render_clip((seed, 224, 128, 3.0, True, s)) for s in (1.0, 2.0))
+        np.testing.assert_array_equal(plain[0], spread[0])  # the clip: the scene's own
+        said, told = parse_caption(plain[5][3]), parse_caption(spread[5][3])
+        assert [(o.colour, o.shape) for o in said.objects] == [(o.colour, o.shape) for o in told.objects]
+        assert said.background == told.background
+        for obj in sample_scene(seed, 224, 128).objects:
+            if obj.motion in DIRECTIONS:
+                ratios.append(speed(spread[5][0], obj.colour) / speed(plain[5][0], obj.colour))
+    assert all(0.45 < r < 2.2 for r in ratios), ratios
+    assert min(ratios) < 0.8 and max(ratios) > 1.25, ratios  # both ways, not one factor for all
 
 
 def test_the_cache_keeps_the_later_windows_prompts_and_refuses_one_without_them(tmp_path):

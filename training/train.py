@@ -131,13 +131,21 @@ def object_tracks(masks: np.ndarray) -> np.ndarray:
     return np.stack(tracks).astype(np.float16)
 
 
-def later_window(scene, width: int, height: int, num_frames: int, seed: int) -> tuple:
+def later_window(scene, width: int, height: int, num_frames: int, seed: int, speed_spread: float = 1.0) -> tuple:
     """(frames, audio, object cover, caption, click frames) of `num_frames` of the scene from a start frame drawn
     from `seed` (anywhere the window still ends by 15 s): a clip starts with its objects in their slots, while an
     extension's guide shows them mid-path, near a wall, or past one. The caption says what the window shows from its
     first new frame after the Extend node's default guide (`caption_at`: a mover past an odd number of wall hits goes
-    the other way), as an artist prompts each window; the scene's own caption would name the wrong direction there."""
-    start = int(np.random.default_rng((seed, LATER_STREAM)).integers(0, MAX_FRAMES - num_frames + 1))
+    the other way), as an artist prompts each window; the scene's own caption would name the wrong direction there.
+    A `speed_spread` S above 1 runs each mover at its own factor, log-uniform in 1/S..S, with the caption unchanged:
+    every clip's mover crosses TRAVEL_SHARE of its range, so the prompt names the speed within ~12 %, and a DiT
+    trained on those draws the prompt's speed after a join instead of the guide's (stop 72's guide-speed rows)."""
+    draw = np.random.default_rng((seed, LATER_STREAM))
+    start = int(draw.integers(0, MAX_FRAMES - num_frames + 1))
+    if speed_spread != 1:
+        factors = np.exp(draw.uniform(-np.log(speed_spread), np.log(speed_spread), len(scene.objects)))
+        scene = replace(scene, objects=tuple(replace(o, speed=o.speed * float(f))
+                                             for o, f in zip(scene.objects, factors)))
     clip = render(scene, width, height, num_frames=start + num_frames)
     first = round(start / FPS * SAMPLE_RATE)
     audio = clip.audio[:, first:first + round(num_frames / FPS * SAMPLE_RATE)]
@@ -146,13 +154,13 @@ def later_window(scene, width: int, height: int, num_frames: int, seed: int) -> 
     return clip.frames[start:], audio, object_cover(clip.masks[:, start:]), told, clicks
 
 
-def render_clip(args: tuple[int, int, int, float, bool]) -> tuple:
-    """(frames, audio, caption, object cover per DiT token, each object's edit track, a `later_window` or None,
-    click frames) of one toy scene."""
-    seed, width, height, seconds, later = args
+def render_clip(args: tuple[int, int, int, float, bool, float]) -> tuple:
+    """(frames, audio, caption, object cover per DiT token, each object's edit track, a `later_window` (at that
+    speed spread) or None, click frames) of one toy scene."""
+    seed, width, height, seconds, later, speed_spread = args
     scene = sample_scene(seed, width, height)
     clip = render(scene, width, height, seconds)
-    window = later_window(scene, width, height, len(clip.frames), seed) if later else None
+    window = later_window(scene, width, height, len(clip.frames), seed, speed_spread) if later else None
     return (clip.frames, clip.audio, clip.caption, object_cover(clip.masks), object_tracks(clip.masks), window,
             clip.click_frames)
 
@@ -165,8 +173,9 @@ def rendered(work, jobs: list[tuple], workers: int) -> list:
         return pool.map(work, jobs, chunksize=4)
 
 
-def toy_clips(seeds, width: int, height: int, seconds: float, workers: int, later: bool = False) -> list[tuple]:
-    return rendered(render_clip, [(s, width, height, seconds, later) for s in seeds], workers)
+def toy_clips(seeds, width: int, height: int, seconds: float, workers: int, later: bool = False,
+              speed_spread: float = 1.0) -> list[tuple]:
+    return rendered(render_clip, [(s, width, height, seconds, later, speed_spread) for s in seeds], workers)
 
 
 class Log:
@@ -1011,6 +1020,9 @@ def main(argv=None) -> int:
                    help="every clip also gets a window of its scene from a random later start (up to 15 s), and "
                         "the extension steps train on those: guides with objects mid-path or past a wall hit, each "
                         "window prompted with what it shows after its guide (training.captions.caption_at)")
+    p.add_argument("--later-speed-spread", type=float, default=1.0, metavar="S",
+                   help="with --later-windows: each mover of a later window at its own speed factor, log-uniform in "
+                        "1/S..S, the prompt unchanged, so the extension steps must take the speed from the guide")
     p.add_argument("--vae-temporal-weight", type=float, default=0.0,
                    help="video decoder: weight of the frame-to-frame change's error beside the frames' own")
     p.add_argument("--vae-seam-weight", type=float, default=0.0,
@@ -1040,7 +1052,8 @@ def main(argv=None) -> int:
     clips = None
     if clip_stages and (clip_stages != {"dit"} or cache is None or not cache.is_file()):
         clips = toy_clips(range(args.seed * 1_000_000, args.seed * 1_000_000 + (2 if args.smoke else args.clips)),
-                          width, height, 0.9 if args.smoke else 5.0, 1 if args.smoke else 16, args.later_windows)
+                          width, height, 0.9 if args.smoke else 5.0, 1 if args.smoke else 16, args.later_windows,
+                          args.later_speed_spread)
         log("data", len(clips), frames=int(clips[0][0].shape[0]), canvas=f"{width}x{height}")
     if args.resume:
         start = args.out if args.resume is True else args.resume
