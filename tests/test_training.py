@@ -626,7 +626,7 @@ def test_a_speed_spread_runs_each_later_window_mover_at_its_own_speed_under_the_
 def test_the_cache_keeps_the_later_windows_prompts_and_refuses_one_without_them(tmp_path):
     """`--cache`: a second run reads the later windows' prompts back with their tags on the host (the layouts are
     built there); a cache written before the windows had prompts, or before the clips had knocks (the old toy
-    world's), is refused with what to do."""
+    world's), or at another `--later-speed-spread`, is refused with what to do."""
     import pytest
 
     import training.train as train
@@ -644,6 +644,14 @@ def test_the_cache_keeps_the_later_windows_prompts_and_refuses_one_without_them(
         torch.save(stale, cache)
         with pytest.raises(SystemExit, match="knocks' audio rows .* with their prompts"):
             train.encoded(pipe, None, cache, later=True)
+    spread, cache_2 = train.toy_clips([4], 96, 64, 0.9, 1, later=True, speed_spread=2.0), tmp_path / "c2.pt"
+    train.encoded(pipe, spread, cache_2, later=True, speed_spread=2.0)
+    assert train.encoded(pipe, None, cache_2, later=True, speed_spread=2.0)[0]["later"]["speed_spread"] == 2.0
+    with pytest.raises(SystemExit, match="drawn at --later-speed-spread 2; this run asks for 1"):
+        train.encoded(pipe, None, cache_2, later=True)
+    torch.save(fresh, cache)
+    with pytest.raises(SystemExit, match="drawn at --later-speed-spread 1; this run asks for 2"):
+        train.encoded(pipe, None, cache, later=True, speed_spread=2.0)
 
 
 def test_compiled_blocks_train_as_the_eager_ones_and_the_dit_ends_eager(monkeypatch):

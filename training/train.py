@@ -741,8 +741,10 @@ def text_at_unit_scale(conditioner) -> None:
         table.mul_(1 / table.float().pow(2).mean().sqrt())
 
 
-def encoded(pipe: H3Pipeline, clips, cache: Path | None, later: bool = False) -> list[dict]:
-    """`prepare`d clips, through a cache file when given (a second run on a warm machine skips the encoding)."""
+def encoded(pipe: H3Pipeline, clips, cache: Path | None, later: bool = False,
+            speed_spread: float = 1.0) -> list[dict]:
+    """`prepare`d clips, through a cache file when given (a second run on a warm machine skips the encoding). The
+    later windows carry the `speed_spread` they were drawn at: a cache of another spread is refused."""
     if cache is not None and cache.is_file():
         data = torch.load(cache, map_location=pipe.device)
         for sample in data:  # the layouts' tags stay on the host, as `prepare` made them
@@ -754,9 +756,16 @@ def encoded(pipe: H3Pipeline, clips, cache: Path | None, later: bool = False) ->
             raise SystemExit(f"{cache} lacks what this run trains on (the knocks' audio rows of stop 64's toy "
                              "world, or the later windows --later-windows asks for, with their prompts); delete it "
                              "and run again to re-encode.")
+        if later and window.get("speed_spread", 1.0) != speed_spread:
+            raise SystemExit(f"{cache} holds later windows drawn at --later-speed-spread "
+                             f"{window.get('speed_spread', 1.0):g}; this run asks for {speed_spread:g}. Give another "
+                             "--cache, or delete it to re-encode.")
         if clips is None or len(data) == len(clips):
             return data
     data = prepare(pipe, clips)
+    for sample in data:
+        if "later" in sample:
+            sample["later"]["speed_spread"] = speed_spread
     if cache is not None:
         torch.save(data, cache)
     return data
@@ -1119,7 +1128,8 @@ def main(argv=None) -> int:
     if "dit" in args.stages:
         eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(args.eval_scenes)]
         load_compiled(args.compile_cache if args.compile else None)
-        train_dit(pipe, encoded(pipe, clips, cache, args.later_windows), stage_budget("dit"),
+        data = encoded(pipe, clips, cache, args.later_windows, args.later_speed_spread)
+        train_dit(pipe, data, stage_budget("dit"),
                   2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
                   args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost,
                   args.edit_tracks, args.two_object_boost, args.edit_kept_sound, task_shares(args.task_share),
