@@ -137,9 +137,9 @@ def later_window(scene, width: int, height: int, num_frames: int, seed: int, spe
     extension's guide shows them mid-path, near a wall, or past one. The caption says what the window shows from its
     first new frame after the Extend node's default guide (`caption_at`: a mover past an odd number of wall hits goes
     the other way), as an artist prompts each window; the scene's own caption would name the wrong direction there.
-    A `speed_spread` S above 1 runs each mover at its own factor, log-uniform in 1/S..S, with the caption unchanged:
-    every clip's mover crosses TRAVEL_SHARE of its range, so the prompt names the speed within ~12 %, and a DiT
-    trained on those draws the prompt's speed after a join instead of the guide's (stop 72's guide-speed rows)."""
+    A `speed_spread` S above 1 runs each mover at its own factor, log-uniform in 1/S..S, with the caption unchanged,
+    so the guide is the only place the window's speed is: unspread, every mover crosses TRAVEL_SHARE of its range and
+    the prompt names its speed within ~12 %, which the DiT then draws after a join instead of the guide's (stop 72)."""
     draw = np.random.default_rng((seed, LATER_STREAM))
     start = int(draw.integers(0, MAX_FRAMES - num_frames + 1))
     if speed_spread != 1:
@@ -756,10 +756,10 @@ def encoded(pipe: H3Pipeline, clips, cache: Path | None, later: bool = False,
             raise SystemExit(f"{cache} lacks what this run trains on (the knocks' audio rows of stop 64's toy "
                              "world, or the later windows --later-windows asks for, with their prompts); delete it "
                              "and run again to re-encode.")
-        if later and window.get("speed_spread", 1.0) != speed_spread:
-            raise SystemExit(f"{cache} holds later windows drawn at --later-speed-spread "
-                             f"{window.get('speed_spread', 1.0):g}; this run asks for {speed_spread:g}. Give another "
-                             "--cache, or delete it to re-encode.")
+        drawn_at = window.get("speed_spread", 1.0)  # a cache from before the spread: its windows are unspread
+        if later and drawn_at != speed_spread:
+            raise SystemExit(f"{cache} holds later windows drawn at --later-speed-spread {drawn_at:g}; this run asks "
+                             f"for {speed_spread:g}. Give another --cache, or delete it to re-encode.")
         if clips is None or len(data) == len(clips):
             return data
     data = prepare(pipe, clips)
@@ -1129,12 +1129,11 @@ def main(argv=None) -> int:
         eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(args.eval_scenes)]
         load_compiled(args.compile_cache if args.compile else None)
         data = encoded(pipe, clips, cache, args.later_windows, args.later_speed_spread)
-        train_dit(pipe, data, stage_budget("dit"),
-                  2 if args.smoke else args.batch, log, rng, gen, eval_scenes, args.eval_every, args.lr, steps_cap,
-                  args.caption_drop, args.guidance, args.eval_guidance, args.compile, args.bounce_boost,
-                  args.edit_tracks, args.two_object_boost, args.edit_kept_sound, task_shares(args.task_share),
-                  args.extend_caption_drop, args.dit_keep_video, args.dit_data_tasks, args.dit_knock_weight,
-                  args.dit_join_weight, args.dit_temporal_weight)
+        train_dit(pipe, data, stage_budget("dit"), 2 if args.smoke else args.batch, log, rng, gen, eval_scenes,
+                  args.eval_every, args.lr, steps_cap, args.caption_drop, args.guidance, args.eval_guidance,
+                  args.compile, args.bounce_boost, args.edit_tracks, args.two_object_boost, args.edit_kept_sound,
+                  task_shares(args.task_share), args.extend_caption_drop, args.dit_keep_video, args.dit_data_tasks,
+                  args.dit_knock_weight, args.dit_join_weight, args.dit_temporal_weight)
         save_compiled(args.compile_cache if args.compile else None)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
