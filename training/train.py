@@ -86,6 +86,7 @@ KNOCK_SPAN_S = 0.05
 # second an extension's velocity check judges after each join) weigh 1 + W. Stop 67 tried 10-40 against the DiT's
 # slowing there (benchmarks/extension_join.py): the first 12 new frames stayed at ~0.5 of the rendered speed.
 JOIN_LATENTS = 6
+EXTEND_OVERLAPS = (2, 7)  # the guide lengths (latents) an extension step draws: Extend's shortest and default
 OBJECT_DILATE = 2  # a VAE's pixel loss is weighted 1 + OBJECT_WEIGHT within this many pixels of an object
 FINISH_S = 30  # of --minutes kept for the last evaluation and the files
 VAE_FRAMES = 22  # one 17-frame clip and the 5 of the next: every code path of the temporal chunking
@@ -519,9 +520,10 @@ def edit_rows(batch: list[dict], T: int, h: int, w: int, patch, rng, tracks: flo
     return box_rows(T, h, w, patch, rng).to(batch[0]["tracks"].device)
 
 
-def extension_rows(T: int, rng) -> tuple[int, int, float]:
-    """An extension window's guide: (overlap latents 5k + 2, its audio latents, the window's start frame)."""
-    overlap = int(rng.choice([2, 7]))
+def extension_rows(T: int, rng, overlaps: tuple[int, ...] = EXTEND_OVERLAPS) -> tuple[int, int, float]:
+    """An extension window's guide: (overlap latents 5k + 2, one of `overlaps`, its audio latents, the window's
+    start frame)."""
+    overlap = int(rng.choice(overlaps))
     audio = round(frames_of(overlap) * L.AUDIO_LATENTS_PER_SECOND / L.FPS)
     return overlap, audio, float(rng.integers(0, 15 * L.FPS))
 
@@ -530,16 +532,18 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
              teacher=None, guidance: float = 1.0, video_shift: float = VIDEO_SHIFT,
              noise_gen: torch.Generator | None = None, edit_tracks: float = 0.0,
              edit_kept_sound: float = 0.0, keep: tuple[str, ...] = (), knock_weight: float = 0.0,
-             join_weight: float = 0.0, temporal_weight: float = 0.0) -> torch.Tensor:
+             join_weight: float = 0.0, temporal_weight: float = 0.0,
+             overlaps: tuple[int, ...] = EXTEND_OVERLAPS) -> torch.Tensor:
     """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
     x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
     condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
     the source outside a box (an `edit_tracks` share of the time, each clip's track of one object) at the condition
     level and, an `edit_kept_sound` share of the time, the batch's next clip's sound clean at timestep 1 and not
     scored (what a Masked Edit that keeps the source's sound feeds) (edit), the window's first latents noised to the
-    condition level with its clean audio, on a shifted clock (extension; the window is the clip's later one when it
-    has one, with its own prompt), an image reference (the clip's middle frame at the reference size) noised likewise
-    and a clean sound reference (its first seconds), the prompt presenting both (ref2va). With a `teacher` and a
+    condition level with its clean audio, on a shifted clock (extension: one of `overlaps` latents long; the window
+    is the clip's later one when it has one, with its own prompt), an image reference (the clip's middle frame at the
+    reference size) noised likewise and a clean sound reference (its first seconds), the prompt presenting both
+    (ref2va). With a `teacher` and a
     `guidance` other than 1, a DISTILLED_TASKS layout's target is its velocity guided by `guidance`
     (engine/models/h3/denoise.py), else the flow's, with a `caption_drop` share of the prompts zeroed; `keep`
     ("video", "audio"): those rows' target is the `teacher`'s own velocity on the same rows. The audio rows near a
@@ -582,7 +586,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
         cond_v = KEYFRAME_NOISE_AUG * cond_v + (1 - KEYFRAME_NOISE_AUG) * noise(cond_v)
         cond_a = L.pack_audio(torch.stack([b["audio"][..., :sound] for b in batch]))
     elif task == "extend":
-        overlap, guide_audio, start = extension_rows(T, rng)
+        overlap, guide_audio, start = extension_rows(T, rng, overlaps)
         layout = L.build_layout(tags, T, h, w, Ta, patch, media_origin=float(tags.numel() + rng.integers(0, 8)),
                                 time_shift=start * L.AUDIO_LATENTS_PER_SECOND / L.FPS, guide_frames=overlap,
                                 guide_audio=guide_audio)
@@ -826,7 +830,8 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
               edit_tracks: float = 0.0, two_object_boost: float = 1.0, edit_kept_sound: float = 0.0,
               tasks: dict[str, float] = TASKS, extend_caption_drop: float | None = None,
               keep_video: bool = False, data_tasks: tuple[str, ...] | None = None, knock_weight: float = 0.0,
-              join_weight: float = 0.0, temporal_weight: float = 0.0) -> None:
+              join_weight: float = 0.0, temporal_weight: float = 0.0,
+              extend_overlaps: tuple[int, ...] = EXTEND_OVERLAPS) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
     exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
     `compile` runs the blocks of the training steps through torch.compile, one block at a time (dynamic shapes; the
@@ -843,7 +848,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     learn from the data, every other one the DiT as it starts (both rows), so what those do stays while these are
     taught. `knock_weight`: the audio rows near a contact weigh that much more (KNOCK_SPAN_S); `join_weight`: an
     extension's video rows just after its guide (JOIN_LATENTS); `temporal_weight`: the video error's change between
-    latent frames (`temporal_error`)."""
+    latent frames (`temporal_error`); `extend_overlaps`: the guide lengths (latents) the extension steps draw from."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
     kept_by_teacher = keep_video or data_tasks is not None
@@ -881,7 +886,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
         keep = ("video",) if keep_video else ("video", "audio") if data_tasks and task not in data_tasks else ()
         loss = dit_loss(dit, [data[i] for i in picks], task, step_rng, gen, dropped, teacher, guidance,
                         pipe.video_shift, None if max_steps else noise_gen, edit_tracks, edit_kept_sound, keep,
-                        knock_weight, join_weight, temporal_weight)
+                        knock_weight, join_weight, temporal_weight, extend_overlaps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -1011,6 +1016,9 @@ def main(argv=None) -> int:
     p.add_argument("--extend-caption-drop", type=float, default=None,
                    help="share of the extension steps' prompts zeroed (default --caption-drop): the DiT then "
                         "continues the guide's motion from the guide alone")
+    p.add_argument("--extend-overlaps", type=int, nargs="+", choices=(2, 7, 12), default=list(EXTEND_OVERLAPS),
+                   metavar="N", help="the guide lengths (5k + 2 latents; Extend's overlap_latents) the extension "
+                   "steps draw from: a longer guide shows more of a mover's path to read its speed from")
     p.add_argument("--dit-keep-video", action="store_true",
                    help="the DiT stage trains every weight, the video rows on the starting DiT's own prediction: the "
                         "sound relearned, the pictures and edits kept")
@@ -1133,7 +1141,8 @@ def main(argv=None) -> int:
                   args.eval_every, args.lr, steps_cap, args.caption_drop, args.guidance, args.eval_guidance,
                   args.compile, args.bounce_boost, args.edit_tracks, args.two_object_boost, args.edit_kept_sound,
                   task_shares(args.task_share), args.extend_caption_drop, args.dit_keep_video, args.dit_data_tasks,
-                  args.dit_knock_weight, args.dit_join_weight, args.dit_temporal_weight)
+                  args.dit_knock_weight, args.dit_join_weight, args.dit_temporal_weight,
+                  tuple(args.extend_overlaps))
         save_compiled(args.compile_cache if args.compile else None)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
