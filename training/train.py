@@ -1018,7 +1018,8 @@ def main(argv=None) -> int:
                         "continues the guide's motion from the guide alone")
     p.add_argument("--extend-overlaps", type=int, nargs="+", choices=(2, 7, 12), default=list(EXTEND_OVERLAPS),
                    metavar="N", help="the guide lengths (5k + 2 latents; Extend's overlap_latents) the extension "
-                   "steps draw from: a longer guide shows more of a mover's path to read its speed from")
+                   "steps draw from: a longer guide shows more of a mover's path to read its speed from (a later "
+                   "window keeps the prompt of what it shows after the default 7)")
     p.add_argument("--dit-keep-video", action="store_true",
                    help="the DiT stage trains every weight, the video rows on the starting DiT's own prediction: the "
                         "sound relearned, the pictures and edits kept")
