@@ -560,7 +560,6 @@ def test_later_windows_give_the_extension_steps_guides_from_mid_scene():
     assert (guides[0] - later_rows).abs().max() < 0.05 < (guides[0] - own_rows).abs().max()
 
 
-
 def test_the_extension_steps_draw_their_guide_lengths_from_the_overlaps_given():
     """--extend-overlaps: each extension step's guide (the condition rows before the window's) is one of the given
     lengths, 2 and 7 latents (Extend's shortest and default) unless told, 12 (a longer stretch of the mover's path)
@@ -578,16 +577,16 @@ def test_the_extension_steps_draw_their_guide_lengths_from_the_overlaps_given():
     rows = []
     pipe.dit.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[1]))
 
-    def guides(overlaps=None) -> set[int]:
+    def guides(**overlaps) -> set[int]:
         rows.clear()
         for seed in range(8):
-            kwargs = {} if overlaps is None else {"overlaps": overlaps}
             train.dit_loss(pipe.dit, [sample], "extend", np.random.default_rng(seed),
-                           torch.Generator().manual_seed(seed), **kwargs)
+                           torch.Generator().manual_seed(seed), **overlaps)
         return {n // per_frame - T for n in rows}
 
     assert guides() == {2, 7}
-    assert guides((12,)) == {12} and guides((7, 12)) == {7, 12}
+    assert guides(overlaps=(12,)) == {12} and guides(overlaps=(7, 12)) == {7, 12}
+
 
 def test_a_later_window_is_prompted_with_what_it_shows_after_the_guide():
     """A later window's prompt is `caption_at` its first new frame after the Extend node's default guide: past a

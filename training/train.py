@@ -534,23 +534,21 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
              edit_kept_sound: float = 0.0, keep: tuple[str, ...] = (), knock_weight: float = 0.0,
              join_weight: float = 0.0, temporal_weight: float = 0.0,
              overlaps: tuple[int, ...] = EXTEND_OVERLAPS) -> torch.Tensor:
-    """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all:
-    x_t = (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The
-    condition rows are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va),
-    the source outside a box (an `edit_tracks` share of the time, each clip's track of one object) at the condition
-    level and, an `edit_kept_sound` share of the time, the batch's next clip's sound clean at timestep 1 and not
-    scored (what a Masked Edit that keeps the source's sound feeds) (edit), the window's first latents noised to the
-    condition level with its clean audio, on a shifted clock (extension: one of `overlaps` latents long; the window
-    is the clip's later one when it has one, with its own prompt), an image reference (the clip's middle frame at the
-    reference size) noised likewise and a clean sound reference (its first seconds), the prompt presenting both
-    (ref2va). With a `teacher` and a
+    """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all: x_t =
+    (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The condition rows
+    are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va), the source outside a
+    box (an `edit_tracks` share of the time, each clip's track of one object) at the condition level and, an
+    `edit_kept_sound` share of the time, the batch's next clip's sound clean at timestep 1 and not scored (what a Masked
+    Edit that keeps the source's sound feeds) (edit), the window's first latents noised to the condition level with its
+    clean audio, on a shifted clock (extension: one of `overlaps` latents long; the window is the clip's later one when
+    it has one, with its own prompt), an image reference (the clip's middle frame at the reference size) noised likewise
+    and a clean sound reference (its first seconds), the prompt presenting both (ref2va). With a `teacher` and a
     `guidance` other than 1, a DISTILLED_TASKS layout's target is its velocity guided by `guidance`
-    (engine/models/h3/denoise.py), else the flow's, with a `caption_drop` share of the prompts zeroed; `keep`
-    ("video", "audio"): those rows' target is the `teacher`'s own velocity on the same rows. The audio rows near a
-    contact weigh 1 + `knock_weight`, an extension's video rows of the JOIN_LATENTS after its guide 1 + `join_weight`;
-    `temporal_weight` adds the video error's change between latent frames (`temporal_error`). The noise comes from
-    `noise_gen` (a generator on the device: drawn on the host, a batch's noise costs more than its step) or else
-    `gen`."""
+    (engine/models/h3/denoise.py), else the flow's, with a `caption_drop` share of the prompts zeroed; `keep` ("video",
+    "audio"): those rows' target is the `teacher`'s own velocity on the same rows. The audio rows near a contact weigh 1
+    + `knock_weight`, an extension's video rows of the JOIN_LATENTS after its guide 1 + `join_weight`; `temporal_weight`
+    adds the video error's change between latent frames (`temporal_error`). The noise comes from `noise_gen` (a
+    generator on the device: drawn on the host, a batch's noise costs more than its step) or else `gen`."""
     device = batch[0]["video"].device
     clips = [b.get("later", b) for b in batch] if task == "extend" else batch
     x0v = L.patchify(torch.stack([b["video"] for b in clips]))
