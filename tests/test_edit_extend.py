@@ -10,7 +10,7 @@ import torch
 
 from engine.io.video import read_video
 from engine.models.h3 import layout as L
-from engine.models.h3.extend import SEAM_FRAMES, carry_seam, plan_windows, window_layout
+from engine.models.h3.extend import SEAM_FRAMES, TAIL_FRAMES, carry_seam, plan_windows, window_layout
 from engine.models.h3.mask import MaskError
 from engine.models.h3.pipeline import H3Pipeline
 from engine.models.h3.request import EditRequest, ExtendRequest, GenerateRequest, RefineRequest, Source, StepEvent
@@ -128,6 +128,32 @@ def test_extension_keeps_the_source_frames_and_grows_the_timeline(pipe, clip):
     assert result.audio_latents.shape[-1] == round(F_total * 40 / 24)
     assert result.audio.shape[-1] == round(F_total / 24 * 32000)
     assert torch.equal(result.audio[:, :clip.audio.shape[1]], clip.audio)  # the source's own sound, untouched
+
+
+def test_a_window_before_another_hands_its_last_frames_to_the_next_decode(pipe, clip):
+    """The first window's last TAIL_FRAMES are decoded again with the second window's first chunk after them (the
+    decode of the result's latents from a chunk before them, not of the first window's alone); every frame streams
+    once, in order, as it is in the result."""
+    streamed = []
+
+    def on_step(event):
+        if getattr(event, "frames", None) is not None:
+            streamed.append((event.detail, event.frames.start, event.frames.pixels.clone()))
+
+    result = pipe.extend(ExtendRequest(stored(clip), seconds=8, prompts=["the ball rolls away"], window_seconds=5,
+                                       steps=STEPS), on_step=on_step)
+    first, second = plan_windows(124, 8 * 24, 7, L.align_num_frames(5 * 24))
+    end = first.start + first.frames
+    n = (end - 5) // 17
+    latents = result.video_latents
+    with_next = torch.cat(list(pipe.video_vae.decode_chunks(latents[:, :, 5 * (n - 1):5 * (n + 1) + 2])))
+    alone = torch.cat(list(pipe.video_vae.decode_chunks(latents[:, :, 5 * (n - 1):5 * n + 2])))
+    assert torch.equal(result.frames[end - TAIL_FRAMES:end], with_next[17:17 + TAIL_FRAMES])
+    assert not torch.equal(with_next[17:17 + TAIL_FRAMES], alone[17:17 + TAIL_FRAMES])
+    assert [start for _, start, _ in streamed] == sorted(start for _, start, _ in streamed)
+    assert torch.equal(torch.cat([pixels for _, _, pixels in streamed]), result.frames)
+    assert max(start + len(pixels) for detail, start, pixels in streamed if detail.startswith("window 1/")) \
+        == end - TAIL_FRAMES
 
 
 def test_a_window_takes_over_the_frame_before_it_and_fades_into_its_own_decode():

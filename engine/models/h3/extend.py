@@ -8,9 +8,10 @@ regenerated, then dropped. Each window is guided at the DiT file's scale, as tex
 embedded default names 1.5: unguided, its movers slow to about half their speed over the first new frames; a
 released DiT is guidance-distilled and names none, one forward a step). Windows are decoded one at a time with one
 VAE chunk of context, so memory per window is bounded and the source's own frames come back untouched; a window's
-first frames take over the frame before them as it stands and fade into their own decode (`carry_seam`). The
-result's frames stream out in order as they become final (PhaseEvent.frames): the source's with the first decoded
-chunk, then each chunk's new ones.
+first frames take over the frame before them as it stands and fade into their own decode (`carry_seam`), and its
+last TAIL_FRAMES wait for the next window, which decodes them again with its first chunk after them. The result's
+frames stream out in order as they become final (PhaseEvent.frames): the source's with the first decoded chunk,
+then each chunk's new ones.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ CONTEXT_CHUNKS = 1  # VAE chunks (17 frames / 5 latents) decoded before a window
 # pixels, or the previous window's decode) and as this decode makes it, fading out over this many frames: without
 # it the VAE's reconstruction error of the source (or the other decode context) steps in at once at the boundary.
 SEAM_FRAMES = 12
+# A decode's last 5 frames (its last two latents) have no next clip to cross-fade with and barely move (the toy
+# default's movers at 0.2-0.3 of their speed there, in a whole clip's VAE round trip too): a window before another
+# holds them back, and the next one decodes them again from the same latents with its own first chunk after them.
+TAIL_FRAMES = 5
 AUDIO_CONTEXT = 40  # audio latents decoded before a window's new sound
 
 
@@ -147,8 +152,14 @@ def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
         latents = torch.cat([latents, window_latents[:, :, ov:]], dim=2)
         audio = torch.cat([audio, new_audio], dim=2)
         guide_sound = True
-        done = Phase(on_step, "decoding", VideoVAE.decode_chunk_count(decoded.shape[2]) + 1, f"{name}: video")
-        streamed = _decode_new_frames(pipe, decoded, out_frames, F_prev, streamed, done)
+        redecode = k > 0  # the frames the window before held back
+        done = Phase(on_step, "decoding", VideoVAE.decode_chunk_count(decoded.shape[2]) + 1
+                     + redecode * (CONTEXT_CHUNKS + 1), f"{name}: video")
+        if redecode:
+            _decode_held_tail(pipe, latents, F_prev, out_frames, done)
+        last = k == len(windows) - 1
+        streamed = _decode_new_frames(pipe, decoded, out_frames, F_prev, streamed, done,
+                                      hold=0 if last else TAIL_FRAMES)
         done.detail = f"{name}: sound"
         sound = _decode_new_sound(pipe, audio, Ta_prev, emitted)[:, : out_audio.shape[1] - emitted]
         done()
@@ -171,13 +182,29 @@ def _context_chunk(first_new: int) -> int:
     return max(0, (first_new - 5) // 17 - CONTEXT_CHUNKS)
 
 
+def _decode_held_tail(pipe, latents: torch.Tensor, tail_end: int, out: torch.Tensor, done: Phase) -> None:
+    """Decode again into `out` the TAIL_FRAMES frames before `tail_end` (17n + 5: the end of the window before,
+    held back) from `latents`, which now run a VAE chunk past it, after CONTEXT_CHUNKS chunks of context."""
+    n = (tail_end - 5) // 17
+    first = max(0, n - CONTEXT_CHUNKS)
+    need = 17 * (n - first) + TAIL_FRAMES  # frames from chunk `first` on, up to the end of the tail
+    decoded = []
+    for pixels in pipe.video_vae.decode_chunks(latents[:, :, 5 * first:5 * (n + 1) + 2].to(pipe.device)):
+        decoded.append(pixels)
+        done()
+        if sum(p.shape[0] for p in decoded) >= need:
+            break
+    out[tail_end - TAIL_FRAMES:tail_end] = torch.cat(decoded)[need - TAIL_FRAMES:need]
+
+
 def _decode_new_frames(pipe, latents: torch.Tensor, out: torch.Tensor, first_new: int, streamed: int,
-                       done: Phase) -> int:
+                       done: Phase, hold: int = 0) -> int:
     """Decode the frames from `first_new` on into `out` from `latents` that start at the VAE chunk one before it
     (`_context_chunk`), the seam carried into the first SEAM_FRAMES (`carry_seam`). After every chunk `done` hands
-    out the frames of `out` final since the first `streamed` (the stream of the result, in order); returns how many
-    are final now."""
-    skip, stop = first_new - 17 * _context_chunk(first_new), first_new  # context frames to drop; end of the final
+    out the frames of `out` final since the first `streamed` (the stream of the result, in order), all but the last
+    `hold` of the decode; returns how many are final now."""
+    skip, stop = first_new - 17 * _context_chunk(first_new), first_new  # context frames to drop; end of the decode
+    end = first_new - skip + frames_of(latents.shape[2])
     seam = None
     for pixels in pipe.video_vae.decode_chunks(latents.to(pipe.device)):
         if seam is None and 0 < skip <= pixels.shape[0]:  # this chunk holds the frame before the first new one
@@ -187,9 +214,10 @@ def _decode_new_frames(pipe, latents: torch.Tensor, out: torch.Tensor, first_new
         carry_seam(new, seam, stop - first_new)
         out[stop:stop + new.shape[0]] = new
         stop += new.shape[0]
-        done(frames=DecodedFrames(streamed, out.shape[0], out[streamed:stop]) if stop > streamed else None)
-        streamed = stop
-    return stop
+        final = min(stop, end - hold)
+        done(frames=DecodedFrames(streamed, out.shape[0], out[streamed:final]) if final > streamed else None)
+        streamed = max(streamed, final)
+    return streamed
 
 
 def carry_seam(frames: torch.Tensor, seam: torch.Tensor | None, offset: int) -> None:
