@@ -142,7 +142,7 @@ def test_a_window_before_another_hands_its_last_frames_to_the_next_decode(pipe, 
 
     result = pipe.extend(ExtendRequest(stored(clip), seconds=8, prompts=["the ball rolls away"], window_seconds=5,
                                        steps=STEPS), on_step=on_step)
-    first, second = plan_windows(124, 8 * 24, 7, L.align_num_frames(5 * 24))
+    first = plan_windows(124, 8 * 24, 7, L.align_num_frames(5 * 24))[0]
     end = first.start + first.frames
     n = (end - 5) // 17
     latents = result.video_latents

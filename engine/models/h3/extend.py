@@ -152,14 +152,13 @@ def run_extend(pipe, req: ExtendRequest, on_step=None) -> GenerateResult:
         latents = torch.cat([latents, window_latents[:, :, ov:]], dim=2)
         audio = torch.cat([audio, new_audio], dim=2)
         guide_sound = True
-        redecode = k > 0  # the frames the window before held back
-        done = Phase(on_step, "decoding", VideoVAE.decode_chunk_count(decoded.shape[2]) + 1
-                     + redecode * (CONTEXT_CHUNKS + 1), f"{name}: video")
-        if redecode:
+        held_chunks = CONTEXT_CHUNKS + 1 if k > 0 else 0  # the decode of the frames the window before held back
+        done = Phase(on_step, "decoding", held_chunks + VideoVAE.decode_chunk_count(decoded.shape[2]) + 1,
+                     f"{name}: video")
+        if held_chunks:
             _decode_held_tail(pipe, latents, F_prev, out_frames, done)
-        last = k == len(windows) - 1
         streamed = _decode_new_frames(pipe, decoded, out_frames, F_prev, streamed, done,
-                                      hold=0 if last else TAIL_FRAMES)
+                                      hold=TAIL_FRAMES if k < len(windows) - 1 else 0)
         done.detail = f"{name}: sound"
         sound = _decode_new_sound(pipe, audio, Ta_prev, emitted)[:, : out_audio.shape[1] - emitted]
         done()
@@ -188,11 +187,12 @@ def _decode_held_tail(pipe, latents: torch.Tensor, tail_end: int, out: torch.Ten
     n = (tail_end - 5) // 17
     first = max(0, n - CONTEXT_CHUNKS)
     need = 17 * (n - first) + TAIL_FRAMES  # frames from chunk `first` on, up to the end of the tail
-    decoded = []
+    decoded, have = [], 0
     for pixels in pipe.video_vae.decode_chunks(latents[:, :, 5 * first:5 * (n + 1) + 2].to(pipe.device)):
         decoded.append(pixels)
+        have += pixels.shape[0]
         done()
-        if sum(p.shape[0] for p in decoded) >= need:
+        if have >= need:
             break
     out[tail_end - TAIL_FRAMES:tail_end] = torch.cat(decoded)[need - TAIL_FRAMES:need]
 
