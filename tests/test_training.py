@@ -541,7 +541,8 @@ def test_later_windows_give_the_extension_steps_guides_from_mid_scene():
     from training.toy_world import render
 
     attention.set_backend("sdpa")
-    frames, audio, _, _, _, (later, later_audio, cover, _, _), _ = train.render_clip((5, 96, 64, 0.9, True, 1.0))
+    frames, audio, _, _, _, window, _ = train.render_clip((5, 96, 64, 0.9, train.LaterDraw()))
+    later, later_audio, cover, _, _ = window
     whole = render(sample_scene(5, 96, 64), 96, 64, num_frames=train.MAX_FRAMES)
     start = next(s for s in range(train.MAX_FRAMES) if np.array_equal(whole.frames[s:s + len(frames)], later))
     assert start > 0 and later.shape == frames.shape and later_audio.shape == audio.shape
@@ -549,7 +550,7 @@ def test_later_windows_give_the_extension_steps_guides_from_mid_scene():
     assert cover.shape == train.object_cover(whole.masks[:, :len(frames)]).shape
 
     pipe = H3Pipeline.from_preset("tiny")
-    sample = train.prepare(pipe, train.toy_clips([5], 96, 64, 0.9, 1, later=True))[0]
+    sample = train.prepare(pipe, train.toy_clips([5], 96, 64, 0.9, 1, later=train.LaterDraw()))[0]
     assert not torch.allclose(sample["later"]["video"], sample["video"])
     guides = []
     per_frame = sample["video"][0, 0].numel() // 4  # rows of one latent frame (2x2 patches)
@@ -571,7 +572,7 @@ def test_the_extension_steps_draw_their_guide_lengths_from_the_overlaps_given():
 
     attention.set_backend("sdpa")
     pipe = H3Pipeline.from_preset("tiny")
-    sample = train.prepare(pipe, train.toy_clips([5], 96, 64, 2.4, 1, later=True))[0]
+    sample = train.prepare(pipe, train.toy_clips([5], 96, 64, 2.4, 1, later=train.LaterDraw()))[0]
     _, _, T, h, w = sample["later"]["video"][None].shape
     per_frame = h * w // 4  # rows of one latent frame (2x2 patches)
     rows = []
@@ -601,7 +602,7 @@ def test_a_later_window_is_prompted_with_what_it_shows_after_the_guide():
     from training.toy_world import render
 
     attention.set_backend("sdpa")
-    frames, _, told, _, _, (later, _, _, later_told, _), _ = train.render_clip((4, 96, 64, 0.9, True, 1.0))
+    frames, _, told, _, _, (later, _, _, later_told, _), _ = train.render_clip((4, 96, 64, 0.9, train.LaterDraw()))
     assert told == "a small blue triangle moves right on sand; rain falls"
     assert later_told == "a small blue triangle moves left on sand; rain falls"
     scene = sample_scene(4, 96, 64)
@@ -610,7 +611,7 @@ def test_a_later_window_is_prompted_with_what_it_shows_after_the_guide():
     assert later_told == caption_at(scene, (start + 22) / 24, 96, 64)
 
     pipe = H3Pipeline.from_preset("tiny")
-    sample = train.prepare(pipe, train.toy_clips([4], 96, 64, 0.9, 1, later=True))[0]
+    sample = train.prepare(pipe, train.toy_clips([4], 96, 64, 0.9, 1, later=train.LaterDraw()))[0]
     expected, _ = pipe.conditioner.encode(later_told)
     torch.testing.assert_close(sample["later"]["text"][()], expected[0].float())
     texts = []
@@ -639,7 +640,7 @@ def test_a_speed_spread_runs_each_later_window_mover_at_its_own_speed_under_the_
     ratios = []
     seeds = [s for s in range(60) if any(o.motion in DIRECTIONS for o in sample_scene(s, 224, 128).objects)][:8]
     for seed in seeds:
-        plain, spread = (train.render_clip((seed, 224, 128, 3.0, True, s)) for s in (1.0, 2.0))
+        plain, spread = (train.render_clip((seed, 224, 128, 3.0, train.LaterDraw(s))) for s in (1.0, 2.0))
         np.testing.assert_array_equal(plain[0], spread[0])  # the clip: the scene's own
         said, told = parse_caption(plain[5][3]), parse_caption(spread[5][3])
         assert [(o.colour, o.shape) for o in said.objects] == [(o.colour, o.shape) for o in told.objects]
@@ -651,18 +652,53 @@ def test_a_speed_spread_runs_each_later_window_mover_at_its_own_speed_under_the_
     assert min(ratios) < 0.8 and max(ratios) > 1.25, ratios  # both ways, not one factor for all
 
 
+def test_wall_hits_start_the_later_windows_where_a_mover_turns_in_the_frames_they_generate():
+    """`--later-wall-hits 1`: every later window of a scene whose mover reaches a wall by 15 s starts so the mover
+    turns (on the rendered pixels) in the frames after the Extend node's default guide, prompted with the direction
+    it goes in there before the hit; unasked, only some of the same scenes' windows hold a turn there."""
+    import numpy as np
+
+    import training.train as train
+    from training.captions import caption_at
+    from training.scoring import colour_labels, track_colour
+    from training.toy_scene import DIRECTIONS, sample_scene
+
+    guide = 22  # frames of Extend's default 7-latent guide
+
+    def turns(window, scene) -> bool:  # a mover goes one way at the guide's end and the other at the window's
+        labels = colour_labels(window[0])
+        for obj in scene.objects:
+            if obj.motion in DIRECTIONS:
+                track = track_colour(labels, obj.colour)
+                place = track.x if DIRECTIONS[obj.motion][0] == 0 else track.y
+                if (place[guide] - place[guide - 6]) * (place[-1] - place[-7]) < 0:
+                    return True
+        return False
+
+    seeds = [s for s in range(40) if any(o.motion in DIRECTIONS for o in sample_scene(s, 224, 128).objects)][:6]
+    turned = {}
+    for wall_hits in (0.0, 1.0):
+        windows = [train.render_clip((s, 224, 128, 5.0, train.LaterDraw(wall_hits=wall_hits)))[5] for s in seeds]
+        turned[wall_hits] = [turns(w, sample_scene(s, 224, 128)) for s, w in zip(seeds, windows)]
+    assert all(turned[1.0]) and not all(turned[0.0]), turned
+    window, scene = windows[0], sample_scene(seeds[0], 224, 128)
+    whole = train.render(scene, 224, 128, num_frames=train.MAX_FRAMES)
+    start = next(s for s in range(train.MAX_FRAMES) if np.array_equal(whole.frames[s:s + len(window[0])], window[0]))
+    assert window[3] == caption_at(scene, (start + guide) / 24, 224, 128)
+
+
 def test_the_cache_keeps_the_later_windows_prompts_and_refuses_one_without_them(tmp_path):
     """`--cache`: a second run reads the later windows' prompts back with their tags on the host (the layouts are
     built there); a cache written before the windows had prompts, or before the clips had knocks (the old toy
-    world's), or at another `--later-speed-spread`, is refused with what to do."""
+    world's), or at another `--later-speed-spread` or `--later-wall-hits`, is refused with what to do."""
     import pytest
 
     import training.train as train
 
     pipe = H3Pipeline.from_preset("tiny")
-    clips, cache = train.toy_clips([4], 96, 64, 0.9, 1, later=True), tmp_path / "c.pt"
-    made = train.encoded(pipe, clips, cache, later=True)[0]["later"]
-    read = train.encoded(pipe, None, cache, later=True)[0]["later"]
+    clips, cache = train.toy_clips([4], 96, 64, 0.9, 1, later=train.LaterDraw()), tmp_path / "c.pt"
+    made = train.encoded(pipe, clips, cache, later=train.LaterDraw())[0]["later"]
+    read = train.encoded(pipe, None, cache, later=train.LaterDraw())[0]["later"]
     assert read["prompt"] == made["prompt"] == clips[0][5][3]
     torch.testing.assert_close(read["text"][()], made["text"][()])
     assert read["tags"][()].device.type == "cpu" and torch.equal(read["tags"][()], made["tags"][()])
@@ -671,15 +707,18 @@ def test_the_cache_keeps_the_later_windows_prompts_and_refuses_one_without_them(
                    for s in fresh], [{k: v for k, v in s.items() if k != "knocks"} for s in fresh]):
         torch.save(stale, cache)
         with pytest.raises(SystemExit, match="knocks' audio rows .* with their prompts"):
-            train.encoded(pipe, None, cache, later=True)
-    spread, cache_2 = train.toy_clips([4], 96, 64, 0.9, 1, later=True, speed_spread=2.0), tmp_path / "c2.pt"
-    train.encoded(pipe, spread, cache_2, later=True, speed_spread=2.0)
-    assert train.encoded(pipe, None, cache_2, later=True, speed_spread=2.0)[0]["later"]["speed_spread"] == 2.0
-    with pytest.raises(SystemExit, match="drawn at --later-speed-spread 2; this run asks for 1"):
-        train.encoded(pipe, None, cache_2, later=True)
+            train.encoded(pipe, None, cache, later=train.LaterDraw())
+    spread, cache_2 = train.toy_clips([4], 96, 64, 0.9, 1, later=train.LaterDraw(2.0)), tmp_path / "c2.pt"
+    train.encoded(pipe, spread, cache_2, later=train.LaterDraw(2.0))
+    assert train.encoded(pipe, None, cache_2, later=train.LaterDraw(2.0))[0]["later"]["speed_spread"] == 2.0
+    asked = "; this run asks for --later-speed-spread"
+    with pytest.raises(SystemExit, match=f"drawn at --later-speed-spread 2 --later-wall-hits 0{asked} 1 "):
+        train.encoded(pipe, None, cache_2, later=train.LaterDraw())
     torch.save(fresh, cache)
-    with pytest.raises(SystemExit, match="drawn at --later-speed-spread 1; this run asks for 2"):
-        train.encoded(pipe, None, cache, later=True, speed_spread=2.0)
+    with pytest.raises(SystemExit, match=f"drawn at --later-speed-spread 1 --later-wall-hits 0{asked} 2 "):
+        train.encoded(pipe, None, cache, later=train.LaterDraw(2.0))
+    with pytest.raises(SystemExit, match=f"--later-wall-hits 0{asked} 1 --later-wall-hits 1"):
+        train.encoded(pipe, None, cache, later=train.LaterDraw(wall_hits=1.0))
 
 
 def test_compiled_blocks_train_as_the_eager_ones_and_the_dit_ends_eager(monkeypatch):

@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -54,7 +55,7 @@ from training.captions import caption, caption_at, parse_caption
 from training.scoring import score_clip
 from training.task_checks import box_masks
 from training.text_encoder import train_text_encoder
-from training.toy_scene import FPS, SAMPLE_RATE, sample_scene
+from training.toy_scene import DIRECTIONS, FPS, SAMPLE_RATE, contact_times, sample_scene
 from training.toy_world import MAX_FRAMES, background_image, render
 
 # The embedded default's DiT: the tiny preset's architecture (text width 32, partial RoPE) at 256 wide, 6 blocks.
@@ -132,21 +133,55 @@ def object_tracks(masks: np.ndarray) -> np.ndarray:
     return np.stack(tracks).astype(np.float16)
 
 
-def later_window(scene, width: int, height: int, num_frames: int, seed: int, speed_spread: float = 1.0) -> tuple:
+@dataclass(frozen=True)
+class LaterDraw:
+    """How `--later-windows` draws a clip's later window: each mover at its own speed factor, log-uniform in
+    1/speed_spread..speed_spread, and a `wall_hits` share of the windows started where a mover hits a wall in the
+    frames the window generates."""
+    speed_spread: float = 1.0
+    wall_hits: float = 0.0
+
+
+def wall_hit_start(scene, width: int, height: int, num_frames: int, draw) -> int | None:
+    """A start frame (the window still ending by 15 s) whose window generates one of the scene's wall hits after the
+    Extend node's default guide and a second of the path back after it, the hit drawn among those that fit; None
+    when none does."""
+    guide, last = frames_of(ExtendRequest.overlap_latents), MAX_FRAMES - num_frames
+    spans = []
+    for obj in scene.objects:
+        if obj.motion in DIRECTIONS:
+            for hit in contact_times(obj, MAX_FRAMES / FPS, width, height) * FPS:
+                lo, hi = max(0, math.ceil(hit - (num_frames - FPS))), min(last, math.floor(hit - guide))
+                if lo <= hi:
+                    spans.append((lo, hi))
+    if not spans:
+        return None
+    lo, hi = spans[int(draw.integers(len(spans)))]
+    return int(draw.integers(lo, hi + 1))
+
+
+def later_window(scene, width: int, height: int, num_frames: int, seed: int, how: LaterDraw = LaterDraw()) -> tuple:
     """(frames, audio, object cover, caption, click frames) of `num_frames` of the scene from a start frame drawn
     from `seed` (anywhere the window still ends by 15 s): a clip starts with its objects in their slots, while an
     extension's guide shows them mid-path, near a wall, or past one. The caption says what the window shows from its
     first new frame after the Extend node's default guide (`caption_at`: a mover past an odd number of wall hits goes
     the other way), as an artist prompts each window; the scene's own caption would name the wrong direction there.
-    A `speed_spread` S above 1 runs each mover at its own factor, log-uniform in 1/S..S, with the caption unchanged,
+    A speed spread S above 1 runs each mover at its own factor, log-uniform in 1/S..S, with the caption unchanged,
     so the guide is the only place the window's speed is: unspread, every mover crosses TRAVEL_SHARE of its range and
-    the prompt names its speed within ~12 %, which the DiT then draws after a join instead of the guide's (stop 72)."""
+    the prompt names its speed within ~12 %, which the DiT then draws after a join instead of the guide's (stop 72).
+    A `wall_hits` share of the windows start so a mover turns at a wall in the frames they generate (`wall_hit_start`;
+    ~40 % of the windows with a mover do anyway), still prompted with the direction before the hit: the windows after
+    a wall hit were the extension joins the DiT failed most (stop 76)."""
     draw = np.random.default_rng((seed, LATER_STREAM))
     start = int(draw.integers(0, MAX_FRAMES - num_frames + 1))
-    if speed_spread != 1:
-        factors = np.exp(draw.uniform(-np.log(speed_spread), np.log(speed_spread), len(scene.objects)))
+    if how.speed_spread != 1:
+        spread = np.log(how.speed_spread)
+        factors = np.exp(draw.uniform(-spread, spread, len(scene.objects)))
         scene = replace(scene, objects=tuple(replace(o, speed=o.speed * float(f))
                                              for o, f in zip(scene.objects, factors)))
+    if how.wall_hits and draw.random() < how.wall_hits:
+        hit_start = wall_hit_start(scene, width, height, num_frames, draw)
+        start = start if hit_start is None else hit_start
     clip = render(scene, width, height, num_frames=start + num_frames)
     first = round(start / FPS * SAMPLE_RATE)
     audio = clip.audio[:, first:first + round(num_frames / FPS * SAMPLE_RATE)]
@@ -155,13 +190,13 @@ def later_window(scene, width: int, height: int, num_frames: int, seed: int, spe
     return clip.frames[start:], audio, object_cover(clip.masks[:, start:]), told, clicks
 
 
-def render_clip(args: tuple[int, int, int, float, bool, float]) -> tuple:
-    """(frames, audio, caption, object cover per DiT token, each object's edit track, a `later_window` (at that
-    speed spread) or None, click frames) of one toy scene."""
-    seed, width, height, seconds, later, speed_spread = args
+def render_clip(args: tuple[int, int, int, float, LaterDraw | None]) -> tuple:
+    """(frames, audio, caption, object cover per DiT token, each object's edit track, a `later_window` drawn as
+    `later` says or None, click frames) of one toy scene."""
+    seed, width, height, seconds, later = args
     scene = sample_scene(seed, width, height)
     clip = render(scene, width, height, seconds)
-    window = later_window(scene, width, height, len(clip.frames), seed, speed_spread) if later else None
+    window = later_window(scene, width, height, len(clip.frames), seed, later) if later is not None else None
     return (clip.frames, clip.audio, clip.caption, object_cover(clip.masks), object_tracks(clip.masks), window,
             clip.click_frames)
 
@@ -174,9 +209,9 @@ def rendered(work, jobs: list[tuple], workers: int) -> list:
         return pool.map(work, jobs, chunksize=4)
 
 
-def toy_clips(seeds, width: int, height: int, seconds: float, workers: int, later: bool = False,
-              speed_spread: float = 1.0) -> list[tuple]:
-    return rendered(render_clip, [(s, width, height, seconds, later, speed_spread) for s in seeds], workers)
+def toy_clips(seeds, width: int, height: int, seconds: float, workers: int,
+              later: LaterDraw | None = None) -> list[tuple]:
+    return rendered(render_clip, [(s, width, height, seconds, later) for s in seeds], workers)
 
 
 class Log:
@@ -743,10 +778,9 @@ def text_at_unit_scale(conditioner) -> None:
         table.mul_(1 / table.float().pow(2).mean().sqrt())
 
 
-def encoded(pipe: H3Pipeline, clips, cache: Path | None, later: bool = False,
-            speed_spread: float = 1.0) -> list[dict]:
+def encoded(pipe: H3Pipeline, clips, cache: Path | None, later: LaterDraw | None = None) -> list[dict]:
     """`prepare`d clips, through a cache file when given (a second run on a warm machine skips the encoding). The
-    later windows carry the `speed_spread` they were drawn at: a cache of another spread is refused."""
+    later windows carry how they were drawn (`LaterDraw`): a cache drawn otherwise is refused."""
     if cache is not None and cache.is_file():
         data = torch.load(cache, map_location=pipe.device)
         for sample in data:  # the layouts' tags stay on the host, as `prepare` made them
@@ -754,23 +788,27 @@ def encoded(pipe: H3Pipeline, clips, cache: Path | None, later: bool = False,
                 if "tags" in part:
                     part["tags"] = {k: v.cpu() for k, v in part["tags"].items()}
         window = data[0].get("later", {})
-        if "knocks" not in data[0] or (later and not {"prompt", "knocks"} <= window.keys()):
+        if "knocks" not in data[0] or (later is not None and not {"prompt", "knocks"} <= window.keys()):
             raise SystemExit(f"{cache} lacks what this run trains on (the knocks' audio rows of stop 64's toy "
                              "world, or the later windows --later-windows asks for, with their prompts); delete it "
                              "and run again to re-encode.")
-        drawn_at = window.get("speed_spread", 1.0)  # a cache from before the spread: its windows are unspread
-        if later and drawn_at != speed_spread:
-            raise SystemExit(f"{cache} holds later windows drawn at --later-speed-spread {drawn_at:g}; this run asks "
-                             f"for {speed_spread:g}. Give another --cache, or delete it to re-encode.")
+        drawn = LaterDraw(**{k: window[k] for k in ("speed_spread", "wall_hits") if k in window})  # older: defaults
+        if later is not None and drawn != later:
+            raise SystemExit(f"{cache} holds later windows drawn at {draw_options(drawn)}; this run asks for "
+                             f"{draw_options(later)}. Give another --cache, or delete it to re-encode.")
         if clips is None or len(data) == len(clips):
             return data
     data = prepare(pipe, clips)
     for sample in data:
         if "later" in sample:
-            sample["later"]["speed_spread"] = speed_spread
+            sample["later"].update(speed_spread=later.speed_spread, wall_hits=later.wall_hits)
     if cache is not None:
         torch.save(data, cache)
     return data
+
+
+def draw_options(later: LaterDraw) -> str:
+    return f"--later-speed-spread {later.speed_spread:g} --later-wall-hits {later.wall_hits:g}"
 
 
 def by_caption_length(pipe: H3Pipeline, data: list[dict]) -> list[list[int]]:
@@ -1039,6 +1077,10 @@ def main(argv=None) -> int:
     p.add_argument("--later-speed-spread", type=float, default=1.0, metavar="S",
                    help="with --later-windows: each mover of a later window at its own speed factor, log-uniform in "
                         "1/S..S, the prompt unchanged, so the extension steps must take the speed from the guide")
+    p.add_argument("--later-wall-hits", type=float, default=0.0, metavar="P",
+                   help="with --later-windows: a share P of the later windows start where a mover hits a wall in "
+                        "the frames they generate (prompted with its direction before the hit): the extension steps "
+                        "see more turns at a wall after the guide (~40 %% of the windows with a mover hold one)")
     p.add_argument("--vae-temporal-weight", type=float, default=0.0,
                    help="video decoder: weight of the frame-to-frame change's error beside the frames' own")
     p.add_argument("--vae-seam-weight", type=float, default=0.0,
@@ -1066,10 +1108,10 @@ def main(argv=None) -> int:
     cache = None if "text_encoder" in args.stages else args.cache  # it holds the old encoder's prompt states
     clip_stages = set(args.stages) - {"text_encoder", "header"}
     clips = None
+    later = LaterDraw(args.later_speed_spread, args.later_wall_hits) if args.later_windows else None
     if clip_stages and (clip_stages != {"dit"} or cache is None or not cache.is_file()):
         clips = toy_clips(range(args.seed * 1_000_000, args.seed * 1_000_000 + (2 if args.smoke else args.clips)),
-                          width, height, 0.9 if args.smoke else 5.0, 1 if args.smoke else 16, args.later_windows,
-                          args.later_speed_spread)
+                          width, height, 0.9 if args.smoke else 5.0, 1 if args.smoke else 16, later)
         log("data", len(clips), frames=int(clips[0][0].shape[0]), canvas=f"{width}x{height}")
     if args.resume:
         start = args.out if args.resume is True else args.resume
@@ -1135,7 +1177,7 @@ def main(argv=None) -> int:
     if "dit" in args.stages:
         eval_scenes = [sample_scene(EVAL_SEED + i, width, height) for i in range(args.eval_scenes)]
         load_compiled(args.compile_cache if args.compile else None)
-        data = encoded(pipe, clips, cache, args.later_windows, args.later_speed_spread)
+        data = encoded(pipe, clips, cache, later)
         train_dit(pipe, data, stage_budget("dit"), 2 if args.smoke else args.batch, log, rng, gen, eval_scenes,
                   args.eval_every, args.lr, steps_cap, args.caption_drop, args.guidance, args.eval_guidance,
                   args.compile, args.bounce_boost, args.edit_tracks, args.two_object_boost, args.edit_kept_sound,
