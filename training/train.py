@@ -68,6 +68,7 @@ TASKS = {"t2va": 0.4, "first": 0.15, "first_last": 0.1, "edit": 0.2, "extend": 0
 REF_AUDIO_SECONDS = 2.0  # ref2va: the sound reference, the clip's first seconds
 EMA = 0.995
 LATER_STREAM = 7  # keeps a later window's start draw apart from the scene's own
+GUIDE_FRAMES = frames_of(ExtendRequest.overlap_latents)  # the Extend node's default guide: 22 frames
 CAPTION_DROP = 0.1  # share of prompts zeroed: the unconditional branch a guided teacher needs
 # Guidance distillation teaches the t2va layout alone: keyframe, edit, extension and reference rows are held by their
 # conditions, and a student distilled on every layout lost 0.6 dB on keyframes (stop 29); those keep the flow's loss.
@@ -146,12 +147,12 @@ def wall_hit_start(scene, width: int, height: int, num_frames: int, draw) -> int
     """A start frame (the window still ending by 15 s) whose window generates one of the scene's wall hits after the
     Extend node's default guide and a second of the path back after it, the hit drawn among those that fit; None
     when none does."""
-    guide, last = frames_of(ExtendRequest.overlap_latents), MAX_FRAMES - num_frames
+    last = MAX_FRAMES - num_frames
     spans = []
     for obj in scene.objects:
         if obj.motion in DIRECTIONS:
             for hit in contact_times(obj, MAX_FRAMES / FPS, width, height) * FPS:
-                lo, hi = max(0, math.ceil(hit - (num_frames - FPS))), min(last, math.floor(hit - guide))
+                lo, hi = max(0, math.ceil(hit - (num_frames - FPS))), min(last, math.floor(hit - GUIDE_FRAMES))
                 if lo <= hi:
                     spans.append((lo, hi))
     if not spans:
@@ -185,7 +186,7 @@ def later_window(scene, width: int, height: int, num_frames: int, seed: int, how
     clip = render(scene, width, height, num_frames=start + num_frames)
     first = round(start / FPS * SAMPLE_RATE)
     audio = clip.audio[:, first:first + round(num_frames / FPS * SAMPLE_RATE)]
-    told = caption_at(scene, (start + frames_of(ExtendRequest.overlap_latents)) / FPS, width, height)
+    told = caption_at(scene, (start + GUIDE_FRAMES) / FPS, width, height)
     clicks = tuple(f - start for f in clip.click_frames if f >= start)
     return clip.frames[start:], audio, object_cover(clip.masks[:, start:]), told, clicks
 
