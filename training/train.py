@@ -1081,7 +1081,8 @@ def main(argv=None) -> int:
     p.add_argument("--later-wall-hits", type=float, default=0.0, metavar="P",
                    help="with --later-windows: a share P of the later windows start where a mover hits a wall in "
                         "the frames they generate (prompted with its direction before the hit): the extension steps "
-                        "see more turns at a wall after the guide (~40 %% of the windows with a mover hold one)")
+                        "see more turns at a wall after the guide (~40 %% of the windows with a mover hold one); "
+                        "measured at P = 1 (stop 78) it loses extension joins after a wall hit, 4 -> 3 of 9")
     p.add_argument("--vae-temporal-weight", type=float, default=0.0,
                    help="video decoder: weight of the frame-to-frame change's error beside the frames' own")
     p.add_argument("--vae-seam-weight", type=float, default=0.0,
