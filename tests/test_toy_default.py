@@ -91,8 +91,8 @@ def test_t2va_knocks_where_it_draws_a_bounce_and_nowhere_else(t2va):
 
 def test_fl2va_starts_on_the_given_first_frame(engine, scenes):
     """Frame 0 near the rendered first frame it was given: issue 18's 28 dB on the median of the seven scenes (the
-    committed default: 30.61 dB on this CPU and on an H100, 28.64 over toy_eval's 40); three of them, with rain on
-    white or sand, reach only 25-26."""
+    committed default: 30.45 dB on this CPU, 28.59 over toy_eval's 40 on an H100; 30.61 before stop 79's decoder);
+    three of them, with rain on white or sand, reach only 25-26."""
     values = []
     for i, scene in enumerate(scenes):
         truth = render(scene, WIDTH, HEIGHT)
@@ -116,7 +116,8 @@ def test_an_extension_joins_its_source_no_rougher_than_the_vae_steps_inside_it(e
     """toy_eval's first extension source, extended 5 s over the wire: the frame difference across the join is no
     larger than the largest step the video VAE itself makes between latents inside the added frames (every fourth
     frame). Stepping straight from the source's own pixels to the decode of the new window, it was 3.4 against 1.8
-    there; now 0.82 against 1.24, guided since stop 68 (unguided 0.80 against 1.32; this CPU)."""
+    there; now 0.89 against 1.26 with stop 79's decoder (0.82 against 1.24 before it), guided since stop 68 (unguided
+    0.80 against 1.32 before it; this CPU)."""
     scene = scenes_where(lambda s: True, EVAL_SEED + 3000, 1, WIDTH, HEIGHT)[0]
     source = render(scene, WIDTH, HEIGHT)
     result = run(engine, "extend", {"prompts": [caption(scene)], "seconds": 5.0, "window_seconds": 5.0, "seed": 0,
