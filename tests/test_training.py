@@ -622,6 +622,27 @@ def test_a_later_window_is_prompted_with_what_it_shows_after_the_guide():
     torch.testing.assert_close(texts[1], sample["text"][()])
 
 
+def test_later_t2va_steps_train_text_to_video_on_the_later_windows():
+    """`--later-t2va`: a text-to-video step drawn on the later windows scores the DiT on each window's own latents,
+    sound and prompt (a mover mid-path or turning at a wall), exactly as a t2va step on those windows as clips."""
+    import numpy as np
+
+    import training.train as train
+    from engine.kernels import attention
+
+    attention.set_backend("sdpa")
+    pipe = H3Pipeline.from_preset("tiny")
+    sample = train.prepare(pipe, train.toy_clips([4], 96, 64, 0.9, 1, later=train.LaterDraw()))[0]
+
+    def loss(batch, later):
+        return float(train.dit_loss(pipe.dit, batch, "t2va", np.random.default_rng(0),
+                                    torch.Generator().manual_seed(0), later=later))
+
+    on_later = loss([sample], True)
+    assert on_later == loss([sample["later"]], False)
+    assert abs(on_later - loss([sample], False)) > 1e-3 * on_later
+
+
 def test_a_speed_spread_runs_each_later_window_mover_at_its_own_speed_under_the_same_prompt():
     """`--later-speed-spread 2`: a later window's movers cross the frames at 1/2..2 times the scene's speed (measured
     on the rendered pixels), each its own factor, from the same start frame and under the prompt of the scene at that

@@ -569,7 +569,7 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
              noise_gen: torch.Generator | None = None, edit_tracks: float = 0.0,
              edit_kept_sound: float = 0.0, keep: tuple[str, ...] = (), knock_weight: float = 0.0,
              join_weight: float = 0.0, temporal_weight: float = 0.0,
-             overlaps: tuple[int, ...] = EXTEND_OVERLAPS) -> torch.Tensor:
+             overlaps: tuple[int, ...] = EXTEND_OVERLAPS, later: bool = False) -> torch.Tensor:
     """The flow-matching loss of a batch of clips (one caption length) under one task's layout, one sigma for all: x_t =
     (1 - s) x0 + s e, the DiT predicts x0 - e (the engine's data-ward velocity) at timestep 1 - s. The condition rows
     are what the engine feeds at inference: keyframe latents noised to KEYFRAME_NOISE_AUG (fl2va), the source outside a
@@ -584,9 +584,10 @@ def dit_loss(dit, batch: list[dict], task: str, rng, gen: torch.Generator, capti
     "audio"): those rows' target is the `teacher`'s own velocity on the same rows. The audio rows near a contact weigh 1
     + `knock_weight`, an extension's video rows of the JOIN_LATENTS after its guide 1 + `join_weight`; `temporal_weight`
     adds the video error's change between latent frames (`temporal_error`). The noise comes from `noise_gen` (a
-    generator on the device: drawn on the host, a batch's noise costs more than its step) or else `gen`."""
+    generator on the device: drawn on the host, a batch's noise costs more than its step) or else `gen`. `later`: a
+    t2va step on the clips' later windows (each with its own prompt), as the extension steps always are."""
     device = batch[0]["video"].device
-    clips = [b.get("later", b) for b in batch] if task == "extend" else batch
+    clips = [b.get("later", b) for b in batch] if task == "extend" or later else batch
     x0v = L.patchify(torch.stack([b["video"] for b in clips]))
     x0a = L.pack_audio(torch.stack([b["audio"] for b in clips]))
     keyframes = {"first": ("first",), "first_last": ("first", "last")}.get(task, ())
@@ -868,7 +869,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
               tasks: dict[str, float] = TASKS, extend_caption_drop: float | None = None,
               keep_video: bool = False, data_tasks: tuple[str, ...] | None = None, knock_weight: float = 0.0,
               join_weight: float = 0.0, temporal_weight: float = 0.0,
-              extend_overlaps: tuple[int, ...] = EXTEND_OVERLAPS) -> None:
+              extend_overlaps: tuple[int, ...] = EXTEND_OVERLAPS, later_t2va: float = 0.0) -> None:
     """DiT steps over batches of one caption length, the task drawn per step; the weights kept (and saved) are an
     exponential moving average. `guidance` != 1 distills: the DiT as it starts, frozen, is the guided teacher.
     `compile` runs the blocks of the training steps through torch.compile, one block at a time (dynamic shapes; the
@@ -885,7 +886,8 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
     learn from the data, every other one the DiT as it starts (both rows), so what those do stays while these are
     taught. `knock_weight`: the audio rows near a contact weigh that much more (KNOCK_SPAN_S); `join_weight`: an
     extension's video rows just after its guide (JOIN_LATENTS); `temporal_weight`: the video error's change between
-    latent frames (`temporal_error`); `extend_overlaps`: the guide lengths (latents) the extension steps draw from."""
+    latent frames (`temporal_error`); `extend_overlaps`: the guide lengths (latents) the extension steps draw from;
+    `later_t2va`: the share of the t2va steps drawn on the later windows."""
     log("encoded", len(data))
     dit = pipe.dit.float().train().requires_grad_(True)
     kept_by_teacher = keep_video or data_tasks is not None
@@ -919,11 +921,12 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
         else:
             task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
             picks, step_rng = pick_batch(groups, odds, batch, rng), rng
+        later = bool(later_t2va) and task == "t2va" and step_rng.random() < later_t2va
         dropped = extend_caption_drop if task == "extend" and extend_caption_drop is not None else caption_drop
         keep = ("video",) if keep_video else ("video", "audio") if data_tasks and task not in data_tasks else ()
         loss = dit_loss(dit, [data[i] for i in picks], task, step_rng, gen, dropped, teacher, guidance,
                         pipe.video_shift, None if max_steps else noise_gen, edit_tracks, edit_kept_sound, keep,
-                        knock_weight, join_weight, temporal_weight, extend_overlaps)
+                        knock_weight, join_weight, temporal_weight, extend_overlaps, later)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -1083,6 +1086,10 @@ def main(argv=None) -> int:
                         "the frames they generate (prompted with its direction before the hit): the extension steps "
                         "see more turns at a wall after the guide (~40 %% of the windows with a mover hold one); "
                         "measured at P = 1 (stop 78) it loses extension joins after a wall hit, 4 -> 3 of 9")
+    p.add_argument("--later-t2va", type=float, default=0.0, metavar="P",
+                   help="with --later-windows: a share P of the text-to-video steps train on the later windows too "
+                        "(each with its own prompt): a mover mid-path or turning at a wall inside the clip, which "
+                        "the first windows never show (their movers keep clear of the walls for 6 s)")
     p.add_argument("--vae-temporal-weight", type=float, default=0.0,
                    help="video decoder: weight of the frame-to-frame change's error beside the frames' own")
     p.add_argument("--vae-seam-weight", type=float, default=0.0,
@@ -1110,6 +1117,8 @@ def main(argv=None) -> int:
     cache = None if "text_encoder" in args.stages else args.cache  # it holds the old encoder's prompt states
     clip_stages = set(args.stages) - {"text_encoder", "header"}
     clips = None
+    if args.later_t2va and not args.later_windows:
+        raise SystemExit("--later-t2va trains on the later windows; add --later-windows.")
     later = LaterDraw(args.later_speed_spread, args.later_wall_hits) if args.later_windows else None
     if clip_stages and (clip_stages != {"dit"} or cache is None or not cache.is_file()):
         clips = toy_clips(range(args.seed * 1_000_000, args.seed * 1_000_000 + (2 if args.smoke else args.clips)),
@@ -1185,7 +1194,7 @@ def main(argv=None) -> int:
                   args.compile, args.bounce_boost, args.edit_tracks, args.two_object_boost, args.edit_kept_sound,
                   task_shares(args.task_share), args.extend_caption_drop, args.dit_keep_video, args.dit_data_tasks,
                   args.dit_knock_weight, args.dit_join_weight, args.dit_temporal_weight,
-                  tuple(args.extend_overlaps))
+                  tuple(args.extend_overlaps), args.later_t2va)
         save_compiled(args.compile_cache if args.compile else None)
     if clips is not None and ({"video_vae", "video_decoder", "latent_rgb"} & set(args.stages)):
         pipe.video_vae.latent_rgb = fit_latent_rgb(pipe.video_vae, clips)
