@@ -921,7 +921,7 @@ def train_dit(pipe: H3Pipeline, data: list[dict], budget_s: float, batch: int, l
         else:
             task = names[int(rng.choice(len(names), p=shares / shares.sum()))]
             picks, step_rng = pick_batch(groups, odds, batch, rng), rng
-        later = bool(later_t2va) and task == "t2va" and step_rng.random() < later_t2va
+        later = later_t2va > 0 and task == "t2va" and step_rng.random() < later_t2va
         dropped = extend_caption_drop if task == "extend" and extend_caption_drop is not None else caption_drop
         keep = ("video",) if keep_video else ("video", "audio") if data_tasks and task not in data_tasks else ()
         loss = dit_loss(dit, [data[i] for i in picks], task, step_rng, gen, dropped, teacher, guidance,
