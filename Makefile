@@ -18,5 +18,7 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m engine demo --out demo.mp4
 
+# Two workers of one thread each (a module's tests stay on one worker, with its engine): most tests wait on engine
+# processes, so this takes two thirds of one worker's time on two cores; more threads than cores thrash.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=25
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=25

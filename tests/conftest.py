@@ -6,6 +6,8 @@ import torch
 
 from engine_fixture import engine  # noqa: F401  (a real engine process per test module)
 
+pytest_plugins = ["reliability.recorder"]  # the reliability suites' table, also under pytest-xdist
+
 # Without a GPU the Triton kernels run in triton's interpreter. Triton reads this when it is first imported, which
 # torch and diffusers may do long before a kernel test, so it is set for the whole session.
 if not torch.cuda.is_available():

@@ -2,12 +2,15 @@
 it tried in the session's `recorder`; `pytest tests/reliability` ends with the table of fault kinds and cases tried,
 cases the engine (and the client or node) survived, results lost (jobs that did not end with exactly one result or
 error at the client that asked, which must stay 0), and, for cases that name their engine, the engine's peak RSS
-(VmHWM) and its open file descriptors after the case (the most over the suite's cases)."""
+(VmHWM) and its open file descriptors after the case (the most over the suite's cases).
+
+A plugin (tests/conftest.py names it) rather than this folder's conftest: under pytest-xdist the controller, which
+collects nothing, prints the table from the tallies each worker hands over when it finishes."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import pytest
 
@@ -53,6 +56,20 @@ class Recorder:
     def note(self, line: str) -> None:
         self.notes.append(line)
 
+    def as_dict(self) -> dict:
+        return {"tallies": {suite: {**asdict(t), "kinds": sorted(t.kinds)} for suite, t in self.tallies.items()},
+                "notes": list(self.notes)}
+
+    def merge(self, other: dict) -> None:
+        """Add a worker's `as_dict` to this tally."""
+        for suite, t in other["tallies"].items():
+            mine = self.tallies.setdefault(suite, Tally())
+            mine.tried, mine.survived, mine.lost = (mine.tried + t["tried"], mine.survived + t["survived"],
+                                                    mine.lost + t["lost"])
+            mine.kinds |= set(t["kinds"])
+            mine.peak_rss, mine.fds_after = max(mine.peak_rss, t["peak_rss"]), max(mine.fds_after, t["fds_after"])
+        self.notes += other["notes"]
+
 
 RECORDER = pytest.StashKey[Recorder]()
 
@@ -64,6 +81,20 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def recorder(pytestconfig) -> Recorder:
     return pytestconfig.stash[RECORDER]
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set on a pytest-xdist worker
+    if workeroutput is not None:
+        workeroutput["reliability"] = session.config.stash[RECORDER].as_dict()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: a worker finished; add its tally."""
+    tally = getattr(node, "workeroutput", {}).get("reliability")
+    if tally:
+        node.config.stash[RECORDER].merge(tally)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
