@@ -26,6 +26,12 @@ class Tally:
     peak_rss: int = 0  # bytes
     fds_after: int = 0
 
+    def add(self, other: "Tally") -> None:
+        self.tried, self.survived, self.lost = (self.tried + other.tried, self.survived + other.survived,
+                                                self.lost + other.lost)
+        self.kinds |= other.kinds
+        self.peak_rss, self.fds_after = max(self.peak_rss, other.peak_rss), max(self.fds_after, other.fds_after)
+
 
 @dataclass
 class Recorder:
@@ -63,11 +69,7 @@ class Recorder:
     def merge(self, other: dict) -> None:
         """Add a worker's `as_dict` to this tally."""
         for suite, t in other["tallies"].items():
-            mine = self.tallies.setdefault(suite, Tally())
-            mine.tried, mine.survived, mine.lost = (mine.tried + t["tried"], mine.survived + t["survived"],
-                                                    mine.lost + t["lost"])
-            mine.kinds |= set(t["kinds"])
-            mine.peak_rss, mine.fds_after = max(mine.peak_rss, t["peak_rss"]), max(mine.fds_after, t["fds_after"])
+            self.tallies.setdefault(suite, Tally()).add(Tally(**{**t, "kinds": set(t["kinds"])}))
         self.notes += other["notes"]
 
 
@@ -113,9 +115,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     total = Tally()
     for suite, tally in recorder.tallies.items():
         row(suite, tally, len(tally.kinds))
-        total.tried, total.survived, total.lost = (total.tried + tally.tried, total.survived + tally.survived,
-                                                   total.lost + tally.lost)
-        total.peak_rss, total.fds_after = max(total.peak_rss, tally.peak_rss), max(total.fds_after, tally.fds_after)
+        total.add(tally)
     row("total", total, sum(len(t.kinds) for t in recorder.tallies.values()))
     for line in recorder.notes:
         write(line)
