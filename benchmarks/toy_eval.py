@@ -134,7 +134,8 @@ def extension_rows(pipe: H3Pipeline, args, width: int, height: int) -> list[dict
     for i, scene in enumerate(scenes_where(lambda s: True, EXTENSION_SEED, args.extensions, width, height)):
         source = render(scene, width, height)
         req = ExtendRequest(Source(source.frames, audio=source.audio), 10.0, [caption(scene)], window_seconds=5.0,
-                            seed=i, steps=args.steps, overlap_latents=args.extension_overlap)
+                            seed=args.extension_seed + i, steps=args.steps,
+                            overlap_latents=args.extension_overlap)
         F0 = len(source.frames)
         windows = plan_windows(F0, int(round(req.seconds * 24)), req.overlap_latents, 5 * 24 + 5)
         boundaries = [F0] + [w.start + w.frames for w in windows[:-1]]
@@ -303,6 +304,9 @@ def main() -> int:
     p.add_argument("--extension-prompts", choices=("window", "scene"), default="window",
                    help="each extension window prompted with what the scene shows from its start (after a wall hit "
                         "a mover goes the other way), or every window with the scene's caption")
+    p.add_argument("--extension-seed", type=int, default=0,
+                   help="the sampling seed of the first extension scene (scene i samples with this + i): another "
+                        "draw of the same scenes")
     p.add_argument("--extension-past", choices=("own", "render"), default="own",
                    help="with render, each extension join is also judged given a true past: the render up to it "
                         "extended by one window (extension_from_render)")
@@ -391,6 +395,7 @@ def main() -> int:
                "wall_s": round(time.perf_counter() - t0, 1), "device": args.device, "weights": str(args.weights),
                "guidance": pipe.guidance, "steps": args.steps, "video_shift": pipe.video_shift,
                "extension_prompts": args.extension_prompts, "extension_overlap": args.extension_overlap,
+               "extension_seed": args.extension_seed,
                "extension_past": args.extension_past}
     print("\n== toy eval (share of clips passing; PSNR in dB) ==")
     for k, v in summary.items():
